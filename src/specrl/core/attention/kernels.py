@@ -1,0 +1,153 @@
+"""Packed-attention kernels in plain torch (CPU and GPU) and flex_attention.
+
+- :func:`sdpa_packed`: scatter the packed tokens into a right-padded [B, H, M, D] batch and run
+  ``scaled_dot_product_attention`` with ``is_causal`` (right padding never leaks into real rows
+  under a causal mask).  Autograd flows through SDPA.  Index maps are built on device from
+  ``cu_seqlens``; the only host value used is ``layout.max_seqlen``.
+- :func:`flex_packed`: ``flex_attention`` with a document-causal block mask; compiled on CUDA,
+  eager (a materializing reference) on CPU.
+- :func:`cached_attention`: decode/verify against a slot KV cache (writes the new K/V first).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from specrl.core.attention.layout import CacheView, PackedLayout
+
+
+def _pad_index(layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    return layout.seq_ids, layout.token_offsets
+
+
+def sdpa_packed(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    layout: PackedLayout,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    b, m = layout.num_seqs, layout.max_seqlen
+    if t == 0:
+        return q.new_zeros(q.shape)
+    if b == 1:
+        qp, kp, vp = (x.unsqueeze(0) for x in (q, k, v))
+    else:
+        seq, off = _pad_index(layout)
+        qp = q.new_zeros(b, m, hq, d).index_put((seq, off), q)
+        kp = k.new_zeros(b, m, hkv, d).index_put((seq, off), k)
+        vp = v.new_zeros(b, m, hkv, d).index_put((seq, off), v)
+    qp, kp, vp = (x.transpose(1, 2) for x in (qp, kp, vp))  # [B, H, M, D]
+    if window is not None and window < m:
+        pos = torch.arange(qp.shape[2], device=q.device)
+        mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)
+        out = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=hq != hkv
+        )
+    else:
+        out = F.scaled_dot_product_attention(
+            qp, kp, vp, is_causal=True, scale=scale, enable_gqa=hq != hkv
+        )
+    out = out.transpose(1, 2)  # [B, M, Hq, D]
+    if b == 1:
+        return out[0]
+    seq, off = _pad_index(layout)
+    return out[seq, off]
+
+
+@lru_cache(maxsize=1)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: PackedLayout,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flex_attention with a packed document-causal mask. Returns (out [T,Hq,D], lse [T,Hq])."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    t, hq, _ = q.shape
+    seq = layout.seq_ids
+    off = layout.token_offsets
+
+    def mask_mod(b, h, qi, ki):
+        ok = (seq[qi] == seq[ki]) & (off[ki] <= off[qi])
+        if window is not None:
+            ok = ok & (off[qi] - off[ki] < window)
+        return ok
+
+    block = create_block_mask(mask_mod, None, None, t, t, device=q.device)
+    args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    gqa = hq != k.shape[1]
+    if q.is_cuda:
+        out, lse = _compiled_flex()(
+            *args, block_mask=block, scale=scale, enable_gqa=gqa, return_lse=True
+        )
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out, lse = flex_attention(
+                *args, block_mask=block, scale=scale, enable_gqa=gqa, return_lse=True
+            )
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1).float()
+
+
+def cached_attention(
+    q: torch.Tensor,  # [T, Hq, D] new tokens, packed by sequence
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    layout: PackedLayout,
+    cache: CacheView,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Append the new K/V to their cache slots, then attend over prefix + new tokens."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    b = layout.num_seqs
+    seq, off = _pad_index(layout)
+    # Write the new keys/values at slot, prefix_len + offset.
+    slot_t = cache.slots[seq]
+    pos_t = cache.prefix_lens[seq] + off
+    cache.k.index_put_((slot_t, pos_t), k.to(cache.k.dtype))
+    cache.v.index_put_((slot_t, pos_t), v.to(cache.v.dtype))
+    m, kv_len = layout.max_seqlen, cache.max_kv_len
+    kp = cache.k[cache.slots, :kv_len].to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+    vp = cache.v[cache.slots, :kv_len].to(q.dtype).transpose(1, 2)
+    if b == 1 and m == t:
+        qp = q.unsqueeze(0)
+    else:
+        qp = q.new_zeros(b, m, hq, d).index_put((seq, off), q)
+    qp = qp.transpose(1, 2)  # [B, Hq, M, D]
+    q_pos = cache.prefix_lens[:, None] + torch.arange(m, device=q.device)[None, :]  # [B, M]
+    k_pos = torch.arange(kv_len, device=q.device)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, M, L]
+    if window is not None:
+        mask &= (q_pos[:, :, None] - k_pos[None, None, :]) < window
+    if hq != hkv:
+        kp = kp.repeat_interleave(hq // hkv, dim=1)
+        vp = vp.repeat_interleave(hq // hkv, dim=1)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask[:, None], scale=scale)
+    out = out.transpose(1, 2)  # [B, M, Hq, D]
+    if b == 1 and m == t:
+        return out[0]
+    return out[seq, off]

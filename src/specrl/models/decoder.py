@@ -1,0 +1,288 @@
+"""One decoder implementation for the Llama-3 / Qwen2 / Qwen3 / Mistral family.
+
+Parameter names equal Hugging Face's (``model.layers.3.self_attn.q_proj.weight`` …), so HF
+safetensors load without renaming.  Layers live in a ``ModuleDict`` keyed by their global index:
+a pipeline stage deletes the layers it does not own and keeps the names.
+
+Forward (``Transformer.forward``) always takes *packed* tokens ``[T]`` with a
+:class:`~specrl.core.attention.PackedLayout`:
+
+- training: ``cu_seqlens`` + global ``position_ids``; no attention across sequences;
+- cached decoding/verification: the same, plus a :class:`KVCache` and per-sequence slots and
+  prefix lengths (each sequence may bring a different number of new tokens).
+
+Taps (REFERENCE §2): ``taps=[X, …]`` returns the **output of decoder layer X** (0-based; this is
+SpecForge's convention, vLLM's id is X + 1), detached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specrl.core.attention import CacheView, PackedLayout, attention
+from specrl.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float() if dtype != torch.float64 else x
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Rotary:
+    """RoPE cos/sin from global position ids (inverse frequencies kept in float64 on the host)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.inv_freq_list = config.inv_freq()
+        self._inv: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos, sin: [T, D] in ``dtype`` (math in float32, or float64 for float64 models)."""
+        math_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        key = (position_ids.device, math_dtype)
+        inv = self._inv.get(key)
+        if inv is None:
+            inv = torch.tensor(self.inv_freq_list, dtype=torch.float64).to(position_ids.device)
+            inv = self._inv[key] = inv.to(math_dtype)
+        freqs = position_ids.to(math_dtype)[:, None] * inv[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin: [T, D]."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d
+        self.window = config.sliding_window
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos: torch.Tensor,  # [T, D]
+        sin: torch.Tensor,
+        layout: PackedLayout,
+        cache: CacheView | None = None,
+        backend: str = "sdpa",
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attention(q, k, v, layout, cache=cache, backend=backend, window=self.window)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, cos, sin, layout, cache=None, backend="sdpa"):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    """HF's ``model.`` prefix: embedding, layers keyed by global index, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(config) for i in range(config.num_hidden_layers)}
+        )
+        self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class KVCache:
+    """Slot-based KV cache: one [num_slots, max_len, Hkv, D] pair per owned layer."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_slots: int,
+        max_len: int,
+        *,
+        layer_ids: Sequence[int] | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        ids = list(range(config.num_hidden_layers)) if layer_ids is None else list(layer_ids)
+        shape = (num_slots, max_len, config.num_key_value_heads, config.head_dim)
+        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in ids}
+        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in ids}
+        self.num_slots = num_slots
+        self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+
+
+@dataclass
+class CacheBatch:
+    """Where the packed new tokens of a cached forward go: slot and prefix length per sequence."""
+
+    cache: KVCache
+    slots: torch.Tensor  # [B] int64
+    prefix_lens: torch.Tensor  # [B] int64
+    max_kv_len: int  # host int ≥ max(prefix_lens + new lengths)
+
+    def view(self, layer: int) -> CacheView:
+        return CacheView(
+            self.cache.k[layer], self.cache.v[layer], self.slots, self.prefix_lens, self.max_kv_len
+        )
+
+
+@dataclass
+class ModelOutput:
+    hidden: torch.Tensor  # [T, H] final hidden (after the final norm on the last stage)
+    logits: torch.Tensor | None  # [T or len(logits_index), V] in float32
+    taps: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id → [T, H], detached
+
+
+class Transformer(nn.Module):
+    """Decoder-only target model; ``forward`` works on a full model or a pipeline-stage slice."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderBody(config)
+        self.lm_head: nn.Linear | None = nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False
+        )
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(config)
+        self.attn_backend = "sdpa"
+
+    # -------------------------------------------------------------- construction helpers
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> Transformer:
+        """Random initialization for training from scratch (normal(0, std), norms at one)."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight") or "layernorm" in name:
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+        return self
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return sorted(int(k) for k in self.model.layers)
+
+    def layer(self, i: int) -> DecoderLayer:
+        return self.model.layers[str(i)]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def new_cache(self, num_slots: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        return KVCache(
+            self.config,
+            num_slots,
+            max_len,
+            layer_ids=self.layer_ids,
+            dtype=dtype or self.dtype,
+            device=self.device,
+        )
+
+    # -------------------------------------------------------------------------- forward
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.model.embed_tokens is not None, "this pipeline stage has no embedding"
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-norm'd hidden → float32 logits (float64 for float64 models)."""
+        assert self.lm_head is not None, "this pipeline stage has no lm_head"
+        logits = self.lm_head(hidden)
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+    def forward(
+        self,
+        inputs: torch.Tensor,  # [T] token ids (first stage) or [T, H] hidden states
+        layout: PackedLayout,
+        *,
+        taps: Sequence[int] = (),
+        cache: CacheBatch | None = None,
+        logits: bool = True,
+        logits_index: torch.Tensor | None = None,  # [N] rows of T to compute logits for
+    ) -> ModelOutput:
+        h = self.embed(inputs) if inputs.dtype in (torch.int32, torch.int64) else inputs
+        cos, sin = self.rotary.cos_sin(layout.position_ids, h.dtype)
+        want = set(taps)
+        tapped: dict[int, torch.Tensor] = {}
+        for i in self.layer_ids:
+            view = cache.view(i) if cache is not None else None
+            h = self.layer(i)(h, cos, sin, layout, view, self.attn_backend)
+            if i in want:
+                tapped[i] = h.detach()
+        missing = want - set(tapped)
+        if missing:
+            raise ValueError(f"tap layers {sorted(missing)} are not in this model/stage")
+        out_logits = None
+        if self.model.norm is not None:
+            h = self.model.norm(h)
+            if logits and self.lm_head is not None:
+                rows = h if logits_index is None else h[logits_index]
+                out_logits = self.compute_logits(rows)
+        return ModelOutput(hidden=h, logits=out_logits, taps=tapped)
