@@ -268,7 +268,11 @@ class Transformer(nn.Module):
         logits_index: torch.Tensor | None = None,  # [N] rows of T to compute logits for
     ) -> ModelOutput:
         h = self.embed(inputs) if inputs.dtype in (torch.int32, torch.int64) else inputs
-        cos, sin = self.rotary.cos_sin(layout.position_ids, h.dtype)
+        if cache is not None:  # new tokens continue their slot: positions follow the prefix
+            positions = cache.prefix_lens[layout.seq_ids] + layout.token_offsets
+        else:
+            positions = layout.position_ids
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
         want = set(taps)
         tapped: dict[int, torch.Tensor] = {}
         for i in self.layer_ids:

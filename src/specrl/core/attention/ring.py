@@ -1,0 +1,436 @@
+"""Packed zigzag ring attention with the draft's branch attention merged (REFERENCE §4).
+
+Each of the ``cp`` ranks holds a zigzag shard (see :mod:`specrl.core.attention.zigzag`): for every
+packed sequence, chunk r then chunk 2cp−1−r, c tokens each.  The main K/V blocks travel round the
+ring: at step s rank r holds the K/V of ``src = (r − s) mod cp`` and computes one block:
+
+- ``src == r`` (s = 0), *diagonal*: local q × local K/V, causal per local sequence (the local
+  concatenation [chunk r, chunk 2cp−1−r] is in global order, so top-left causal is exact);
+- ``src < r``, *front*: all local q × the front half (chunk src) of the incoming K/V, unmasked
+  within a sequence — chunk src precedes both local chunks, chunk 2cp−1−src follows both;
+- ``src > r``, *back*: the back half (chunk 2cp−1−r) of the local q × all incoming K/V — both
+  incoming chunks precede it, and both follow chunk r.
+
+Every step costs every rank 2c² query–key pairs per sequence.  The next K/V block is posted
+(isend to r+1, irecv from r−1) before the current one is computed.  Partial (out, lse) are merged
+in float32 (float64 for float64 inputs) by log-sum-exp.
+
+Branch (TTT steps 1..J, rank-local): query i also attends to ``branch_k[j, i]`` for every j — its
+own speculative chain at the same index — in the same softmax; GQA maps each query head to its kv
+head.  Branch scores are [T, Hq, J], merged like any other block.
+
+Backward runs every block with the **final** merged O and L (see :mod:`blocks`): the K/V blocks
+circulate again, dq accumulates locally in float32, and a float32 dK/dV accumulator follows the
+blocks round the ring, each rank adding its contribution for the block it holds, so it arrives
+home after cp hops.  Branch gradients are closed-form.  With cp = 1 nothing is sent (gloo cannot
+send to itself); with cp > 1 every rank issues the same point-to-point operations in the same
+order: per forward (cp−1) exchanges, per backward (cp−1) K/V exchanges and cp accumulator hops.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from specrl.core.attention.blocks import BlockKernel, segments
+from specrl.core.attention.layout import PackedLayout
+from specrl.core.attention.merge import acc_dtype, merge_rows_
+
+StepCase = Literal["diagonal", "front", "back"]
+
+
+def step_case(rank: int, src: int) -> StepCase:
+    """Which block rank ``rank`` computes against the main K/V of rank ``src``."""
+    if src == rank:
+        return "diagonal"
+    return "front" if src < rank else "back"
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One kernel call: which local query rows and which rows of a K/V tensor, and their segments."""
+
+    q_rows: torch.Tensor | None  # [Tq_block] rows of the local q (None: all)
+    kv_rows: torch.Tensor | None  # [Tk_block] rows of the K/V tensor (None: all)
+    cu_q: torch.Tensor  # [B+1]
+    cu_k: torch.Tensor  # [B+1]
+    max_q: int
+    max_k: int
+    causal: bool
+
+
+class RingGeometry:
+    """Index tensors of one rank's zigzag shard, derived from its local layout on device.
+
+    ``layout`` is the rank's local layout (``ZigzagPlan.local``): B sequences of 2·c_b tokens,
+    chunk r then chunk 2cp−1−r.  With cp = 1 any packed layout is accepted.
+    """
+
+    def __init__(self, layout: PackedLayout, cp: int, rank: int) -> None:
+        self.cp, self.rank = cp, rank
+        self.cu = layout.cu_seqlens  # [B+1]
+        self.max_len = layout.max_seqlen
+        self.num_tokens = layout.num_tokens
+        if cp == 1:
+            return
+        if self.num_tokens % 2 or self.max_len % 2:
+            raise ValueError(
+                "a zigzag shard has even sequence lengths; pass ZigzagPlan.local as the layout"
+            )
+        self.cu_half = self.cu // 2  # [B+1] one chunk per sequence
+        self.max_half = self.max_len // 2
+        seq, w = segments(self.cu_half, self.num_tokens // 2)
+        chunk = (self.cu_half[1:] - self.cu_half[:-1])[seq]
+        self.front_rows = self.cu[seq] + w  # [T/2] local rows of chunk r
+        self.back_rows = self.front_rows + chunk  # [T/2] local rows of chunk 2cp−1−r
+
+    def ring_block(self, src: int) -> BlockSpec:
+        """The block of ring step with source rank ``src`` (its K/V indexed like local rows)."""
+        case = step_case(self.rank, src)
+        if case == "diagonal":
+            return BlockSpec(None, None, self.cu, self.cu, self.max_len, self.max_len, True)
+        if case == "front":
+            return BlockSpec(
+                None, self.front_rows, self.cu, self.cu_half, self.max_len, self.max_half, False
+            )
+        return BlockSpec(
+            self.back_rows, None, self.cu_half, self.cu, self.max_half, self.max_len, False
+        )
+
+    def chunk_rows(self, first: int, last: int) -> torch.Tensor:
+        """Rows, in the rank-major concatenation of all shards, of global chunks
+        ``first..last−1`` of every sequence (sequence-major, in global order)."""
+        n = last - first
+        seq, o = segments(n * self.cu_half, n * (self.num_tokens // 2))
+        c = (self.cu_half[1:] - self.cu_half[:-1])[seq]
+        j, w = first + o // c, o % c
+        front = j < self.cp
+        owner = torch.where(front, j, 2 * self.cp - 1 - j)
+        return owner * self.num_tokens + self.cu[seq] + torch.where(front, w, c + w)
+
+    def gathered_blocks(self) -> list[BlockSpec]:
+        """Kernel calls of local q against the *whole* K/V (rank-major concatenation of all
+        shards): the ring's step cases fused into at most three calls.
+
+        diagonal: own shard, causal; prefix: every local q × chunks 0..r−1 (all precede both local
+        chunks); middle: back-half q × chunks r+1..2cp−2−r (all lie between the two local chunks).
+        """
+        r, cp = self.rank, self.cp
+        own = torch.arange(self.num_tokens, device=self.cu.device) + r * self.num_tokens
+        blocks = [BlockSpec(None, own, self.cu, self.cu, self.max_len, self.max_len, True)]
+        if cp == 1:
+            return blocks
+        if r > 0:
+            blocks.append(
+                BlockSpec(
+                    None,
+                    self.chunk_rows(0, r),
+                    self.cu,
+                    r * self.cu_half,
+                    self.max_len,
+                    r * self.max_half,
+                    False,
+                )
+            )
+        n_mid = 2 * cp - 2 - 2 * r
+        if n_mid > 0:
+            blocks.append(
+                BlockSpec(
+                    self.back_rows,
+                    self.chunk_rows(r + 1, r + 1 + n_mid),
+                    self.cu_half,
+                    n_mid * self.cu_half,
+                    self.max_half,
+                    n_mid * self.max_half,
+                    False,
+                )
+            )
+        return blocks
+
+
+class _Pending:
+    """An in-flight ring exchange; ``wait()`` returns the received tensor."""
+
+    def __init__(self, reqs: list, received: torch.Tensor, sent: torch.Tensor) -> None:
+        self._reqs, self._received, self._sent = reqs, received, sent
+
+    def wait(self) -> torch.Tensor:
+        for req in self._reqs:
+            req.wait()
+        self._sent = None  # the send buffer may be freed now
+        return self._received
+
+
+class RingComm:
+    """Point-to-point neighbours of one rank in a CP group (``size == 1``: no communication)."""
+
+    KV_TAG, GRAD_TAG = 0, 1
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
+        if size > 1 and group is None:
+            raise ValueError("a CP group of size > 1 needs a process group")
+        self.group, self.rank, self.size = group, rank, size
+        if size > 1:
+            self._next = dist.get_global_rank(group, (rank + 1) % size)
+            self._prev = dist.get_global_rank(group, (rank - 1) % size)
+
+    def exchange(self, tensor: torch.Tensor, tag: int) -> _Pending:
+        """Post isend(tensor → rank+1) and irecv(rank−1) together."""
+        received = torch.empty_like(tensor)
+        ops = [
+            dist.P2POp(dist.isend, tensor, self._next, self.group, tag),
+            dist.P2POp(dist.irecv, received, self._prev, self.group, tag),
+        ]
+        return _Pending(dist.batch_isend_irecv(ops), received, tensor)
+
+    def circulate(
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Yield ``(src, k_src, v_src)`` for s = 0..cp−1; block s+1 is in flight while the caller
+        computes with block s."""
+        cur, kv = (k, v), None
+        for s in range(self.size):
+            pending = None
+            if s + 1 < self.size:
+                if kv is None:
+                    kv = torch.stack([k, v])  # [2, T, Hkv, D]: one message per hop
+                pending = self.exchange(kv, self.KV_TAG)
+            yield (self.rank - s) % self.size, cur[0], cur[1]
+            if pending is not None:
+                kv = pending.wait()
+                cur = (kv[0], kv[1])
+
+
+class AccumulatorRing:
+    """A gradient accumulator that follows the K/V blocks round the ring.
+
+    At step s the rank holds block ``src = r − s``: :meth:`add` adds its contribution to the
+    accumulator of that block received from r−1 and sends it on to r+1.  After cp steps the
+    accumulator of the rank's own block has visited every rank and :meth:`result` returns it.
+    """
+
+    def __init__(self, comm: RingComm) -> None:
+        self._comm = comm
+        self._pending: _Pending | None = None
+        self._held: torch.Tensor | None = None
+
+    def add(self, contribution: torch.Tensor) -> None:
+        if self._pending is not None:
+            contribution = contribution + self._pending.wait()
+        if self._comm.size == 1:
+            self._held = contribution
+        else:
+            self._pending = self._comm.exchange(contribution, RingComm.GRAD_TAG)
+
+    def result(self) -> torch.Tensor:
+        if self._comm.size == 1:
+            assert self._held is not None
+            return self._held
+        assert self._pending is not None
+        return self._pending.wait()
+
+
+def branch_forward(
+    q: torch.Tensor,  # [T, Hq, D]
+    branch_k: torch.Tensor,  # [J, T, Hkv, D]
+    branch_v: torch.Tensor,  # [J, T, Hkv, D]
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, Hq, D], lse [T, Hq] (acc dtype)
+    """Attention of each query over its own J branch keys (same index, one per TTT step)."""
+    t, hq, d = q.shape
+    hkv = branch_k.shape[2]
+    dt = acc_dtype(q.dtype)
+    qg = q.to(dt).view(t, hkv, hq // hkv, d)
+    s = torch.einsum("thgd,jthd->thgj", qg, branch_k.to(dt)).mul_(scale)  # [T, Hkv, G, J]
+    lse = torch.logsumexp(s, dim=-1)  # [T, Hkv, G]
+    p = s.sub_(lse.unsqueeze(-1)).exp_()
+    out = torch.einsum("thgj,jthd->thgd", p, branch_v.to(dt))
+    return out.reshape(t, hq, d), lse.reshape(t, hq)
+
+
+def branch_backward(
+    dout: torch.Tensor,  # [T, Hq, D]
+    q: torch.Tensor,  # [T, Hq, D]
+    branch_k: torch.Tensor,  # [J, T, Hkv, D]
+    branch_v: torch.Tensor,  # [J, T, Hkv, D]
+    out: torch.Tensor,  # [T, Hq, D] final merged
+    lse: torch.Tensor,  # [T, Hq] final merged
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # dq (acc), dbranch_k, dbranch_v (acc)
+    """Closed-form branch gradients with the final (O, L): p = exp(s − L), D = ⟨dO, O⟩."""
+    t, hq, d = q.shape
+    hkv = branch_k.shape[2]
+    g = hq // hkv
+    dt = acc_dtype(q.dtype)
+    qg = q.to(dt).view(t, hkv, g, d)
+    bk, bv = branch_k.to(dt), branch_v.to(dt)
+    do = dout.to(dt).view(t, hkv, g, d)
+    delta = (do * out.to(dt).view(t, hkv, g, d)).sum(-1, keepdim=True)  # [T, Hkv, G, 1]
+    s = torch.einsum("thgd,jthd->thgj", qg, bk).mul_(scale)
+    p = s.sub_(lse.to(dt).view(t, hkv, g, 1)).exp_()  # every row sees its own key: L finite
+    d_bv = torch.einsum("thgj,thgd->jthd", p, do)
+    ds = torch.einsum("thgd,jthd->thgj", do, bv).sub_(delta).mul_(p)
+    dq = torch.einsum("thgj,jthd->thgd", ds, bk).mul_(scale).reshape(t, hq, d)
+    d_bk = torch.einsum("thgj,thgd->jthd", ds, qg).mul_(scale)
+    return dq, d_bk, d_bv
+
+
+def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return x if rows is None else x.index_select(0, rows)
+
+
+def block_forward_into(
+    out: torch.Tensor,  # [T, Hq, D] accumulator
+    lse: torch.Tensor,  # [T, Hq] accumulator
+    kernel: BlockKernel,
+    spec: BlockSpec,
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [N, Hkv, D]
+    v: torch.Tensor,  # [N, Hkv, D]
+    scale: float,
+) -> None:
+    """Run one block and merge its (out, lse) into the accumulators."""
+    o_b, l_b = kernel.forward(
+        _take(q, spec.q_rows),
+        _take(k, spec.kv_rows),
+        _take(v, spec.kv_rows),
+        spec.cu_q,
+        spec.cu_k,
+        spec.max_q,
+        spec.max_k,
+        spec.causal,
+        scale,
+    )
+    merge_rows_(out, lse, spec.q_rows, o_b, l_b)
+
+
+def block_backward(
+    kernel: BlockKernel,
+    spec: BlockSpec,
+    dout: torch.Tensor,  # [T, Hq, D]
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [N, Hkv, D]
+    v: torch.Tensor,  # [N, Hkv, D]
+    out: torch.Tensor,  # [T, Hq, D] final
+    lse: torch.Tensor,  # [T, Hq] final
+    dq: torch.Tensor,  # [T, Hq, D] accumulator, updated in place
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # dk, dv of the block's K/V rows [Tk_block, Hkv, D]
+    """Gradients of one block with the final (O, L); dq is accumulated, dk/dv returned."""
+    rows = spec.q_rows
+    dq_b, dk_b, dv_b = kernel.backward(
+        _take(dout, rows),
+        _take(q, rows),
+        _take(k, spec.kv_rows),
+        _take(v, spec.kv_rows),
+        _take(out, rows),
+        _take(lse, rows),
+        spec.cu_q,
+        spec.cu_k,
+        spec.max_q,
+        spec.max_k,
+        spec.causal,
+        scale,
+    )
+    if rows is None:
+        dq += dq_b
+    else:
+        dq.index_add_(0, rows, dq_b.to(dq.dtype))
+    return dk_b, dv_b
+
+
+def has_branch(branch_k: torch.Tensor | None) -> bool:
+    return branch_k is not None and branch_k.shape[0] > 0
+
+
+def merge_branch(
+    out: torch.Tensor,  # [T, Hq, D] accumulator
+    lse: torch.Tensor,  # [T, Hq] accumulator
+    q: torch.Tensor,
+    branch_k: torch.Tensor | None,
+    branch_v: torch.Tensor | None,
+    scale: float,
+) -> None:
+    """Merge the branch part (if any) into the accumulators."""
+    if has_branch(branch_k):
+        assert branch_v is not None
+        merge_rows_(out, lse, None, *branch_forward(q, branch_k, branch_v, scale))
+
+
+def branch_grads(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    branch_k: torch.Tensor | None,
+    branch_v: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dq: torch.Tensor,  # accumulator, updated in place
+    scale: float,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Branch gradients (dq accumulated in place); None for an absent or empty branch."""
+    if branch_k is None or branch_v is None:
+        return None, None
+    if branch_k.shape[0] == 0:
+        return torch.zeros_like(branch_k), torch.zeros_like(branch_v)
+    dq_b, d_bk, d_bv = branch_backward(dout, q, branch_k, branch_v, out, lse, scale)
+    dq += dq_b
+    return d_bk.to(branch_k.dtype), d_bv.to(branch_v.dtype)
+
+
+class RingAttention(torch.autograd.Function):
+    """Zigzag ring attention over the main K/V with the rank-local branch merged.
+
+    ``apply(q, k, v, branch_k, branch_v, geometry, comm, kernel, scale) -> (out, lse)``;
+    ``out`` [T, Hq, D] in q's dtype, ``lse`` [T, Hq] (float32/float64, no gradient).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, branch_k, branch_v, geometry, comm, kernel, scale):
+        t, hq, d = q.shape
+        dt = acc_dtype(q.dtype)
+        out = torch.zeros(t, hq, d, dtype=dt, device=q.device)
+        lse = torch.full((t, hq), -math.inf, dtype=dt, device=q.device)
+        for src, k_src, v_src in comm.circulate(k, v):
+            block_forward_into(out, lse, kernel, geometry.ring_block(src), q, k_src, v_src, scale)
+        merge_branch(out, lse, q, branch_k, branch_v, scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse)
+        ctx.geometry, ctx.comm, ctx.kernel, ctx.scale = geometry, comm, kernel, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, branch_k, branch_v, out, lse = ctx.saved_tensors
+        geometry, comm, kernel, scale = ctx.geometry, ctx.comm, ctx.kernel, ctx.scale
+        dt = acc_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=dt, device=q.device)
+        grads = AccumulatorRing(comm)
+        for src, k_src, v_src in comm.circulate(k, v):
+            spec = geometry.ring_block(src)
+            dk_b, dv_b = block_backward(kernel, spec, dout, q, k_src, v_src, out, lse, dq, scale)
+            if spec.kv_rows is None:
+                contribution = torch.stack([dk_b, dv_b]).to(dt)  # [2, T, Hkv, D]
+            else:
+                contribution = torch.zeros((2, *k.shape), dtype=dt, device=k.device)
+                contribution[0].index_copy_(0, spec.kv_rows, dk_b.to(dt))
+                contribution[1].index_copy_(0, spec.kv_rows, dv_b.to(dt))
+            grads.add(contribution)
+        dkv = grads.result()
+        d_bk, d_bv = branch_grads(dout, q, branch_k, branch_v, out, lse, dq, scale)
+        return (
+            dq.to(q.dtype),
+            dkv[0].to(k.dtype),
+            dkv[1].to(v.dtype),
+            d_bk,
+            d_bv,
+            None,
+            None,
+            None,
+            None,
+        )

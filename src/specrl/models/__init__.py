@@ -1,0 +1,1 @@
+"""Models: the target decoder family, the EAGLE-3 draft, checkpoint I/O, presets, tokenizer."""

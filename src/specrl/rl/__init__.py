@@ -1,0 +1,1 @@
+"""RL pieces that are pure functions: tasks, verifiers/rewards, group advantages."""

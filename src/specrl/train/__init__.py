@@ -1,0 +1,1 @@
+"""Training: the RL loop, the supervised warm-start, losses, checkpointing, metrics."""

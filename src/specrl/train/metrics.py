@@ -1,0 +1,55 @@
+"""Append-only metrics JSONL (one object per line, flushed per record)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+class MetricsWriter:
+    def __init__(self, path: str | Path, *, truncate_after_step: int | None = None) -> None:
+        """Open ``path`` for appending; on resume drop records beyond ``truncate_after_step``."""
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if truncate_after_step is not None and self.path.exists():
+            keep = [r for r in read_metrics(self.path) if r.get("step", -1) <= truncate_after_step]
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
+            tmp.replace(self.path)
+        self._fh = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(_clean(record), sort_keys=False) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All complete records (a torn last line from a kill is skipped)."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
