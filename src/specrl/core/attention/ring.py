@@ -53,7 +53,7 @@ def step_case(rank: int, src: int) -> StepCase:
 
 @dataclass(frozen=True)
 class BlockSpec:
-    """One kernel call: which local query rows and which rows of a K/V tensor, and their segments."""
+    """One kernel call: local query rows, rows of a K/V tensor, and their segments."""
 
     q_rows: torch.Tensor | None  # [Tq_block] rows of the local q (None: all)
     kv_rows: torch.Tensor | None  # [Tk_block] rows of the K/V tensor (None: all)

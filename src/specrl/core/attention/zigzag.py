@@ -88,9 +88,7 @@ class ZigzagPlan:
         owner = torch.where(front, j, 2 * cp - 1 - j)
         row = cu_local[g_seq] + torch.where(front, w, gc + w)
         gather_index = owner * n_local + row
-        return cls(
-            cp, rank, lengths, padded, chunk, num_padded, source, valid, gather_index, local
-        )
+        return cls(cp, rank, lengths, padded, chunk, num_padded, source, valid, gather_index, local)
 
     @property
     def num_local(self) -> int:
