@@ -273,7 +273,10 @@ class FlexBlocks:
                 ok = ok & (off_k[ki] <= off_q[qi])
             return ok
 
-        block = fa.create_block_mask(mask_mod, None, None, tq, tk, device=q.device)
+        # compiled on CUDA so the mask is built block-sparse, never as a [Tq, Tk] tensor
+        block = fa.create_block_mask(
+            mask_mod, None, None, tq, tk, device=q.device, _compile=q.is_cuda
+        )
         args = (q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
         kwargs = {"block_mask": block, "scale": scale, "enable_gqa": hq != hkv}
         if hasattr(fa, "AuxRequest"):
