@@ -62,7 +62,7 @@ app.command("warm-start")(warmstart.warmstart_command)
 def main() -> None:
     """Console-script entry point with specrl's error policy."""
     try:
-        app()
+        app(prog_name="specrl")
     except SpecrlError as exc:
         if STATE.debug:
             raise

@@ -21,7 +21,7 @@ def warmstart_command(
 ) -> None:
     """Train a tiny target from scratch on worked task solutions; write an HF checkpoint."""
     from specrl.errors import ConfigError
-    from specrl.train.warmstart import run_warmstart
+    from specrl.train.warmstart import run_warmstart, task_from_recipe
 
     rec = load(recipe, overrides)
     dest = out_dir or (Path(rec.policy.path) if rec.policy.path else None)
@@ -29,6 +29,7 @@ def warmstart_command(
         raise ConfigError(
             f"{recipe}: policy.path is empty", hint="pass --out DIR or set policy.path"
         )
+    task = task_from_recipe(rec)  # validate data files before any output is written
     write_resolved(rec, rec.run.directory)
     steps = rec.policy.warmstart.steps if rec.policy.warmstart else 0
     with progress_bar("warm-start", steps) as update:
@@ -37,7 +38,7 @@ def warmstart_command(
             info = f"loss {loss:.3f}" + (f"  acc {acc:.1%}" if acc is not None else "")
             update(step, total, info)
 
-        res = run_warmstart(rec, dest, progress=report)
+        res = run_warmstart(rec, dest, task=task, progress=report)
     result = {
         "checkpoint": res.path,
         "params": res.num_params,

@@ -68,6 +68,9 @@ def _convert(value: Any, tp: Any, path: str, source: str | None) -> Any:
             if type(None) in args:
                 return None
             raise bad
+        classes = [a for a in args if dataclasses.is_dataclass(a)]
+        if isinstance(value, dict) and len(classes) == 1:  # a section: surface its own errors
+            return _convert(value, classes[0], path, source)
         for arg in args:
             if arg is type(None):
                 continue
@@ -114,6 +117,11 @@ def _convert(value: Any, tp: Any, path: str, source: str | None) -> Any:
             raise bad
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
         return float(value)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specrl.core.attention import CacheView, PackedLayout, attention
+from specrl.core.attention.kernels import cache_mask
 from specrl.models.config import ModelConfig
 
 
@@ -36,7 +37,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.float() if dtype != torch.float64 else x
+        if dtype in (torch.float32, torch.float64) and self.weight.dtype == dtype:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # same math, one op
+        h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
@@ -178,10 +181,20 @@ class CacheBatch:
     slots: torch.Tensor  # [B] int64
     prefix_lens: torch.Tensor  # [B] int64
     max_kv_len: int  # host int ≥ max(prefix_lens + new lengths)
+    slots_are_prefix: bool = False  # host flag: slots == arange(B) (no gather needed)
+    full_rows: bool = False  # host flag: one new token each, all at position max_kv_len − 1
+    mask: torch.Tensor | None = None  # [B, 1, M, max_kv_len], built once per forward
 
     def view(self, layer: int) -> CacheView:
         return CacheView(
-            self.cache.k[layer], self.cache.v[layer], self.slots, self.prefix_lens, self.max_kv_len
+            self.cache.k[layer],
+            self.cache.v[layer],
+            self.slots,
+            self.prefix_lens,
+            self.max_kv_len,
+            self.slots_are_prefix,
+            self.mask,
+            self.full_rows,
         )
 
 
@@ -270,6 +283,9 @@ class Transformer(nn.Module):
         h = self.embed(inputs) if inputs.dtype in (torch.int32, torch.int64) else inputs
         if cache is not None:  # new tokens continue their slot: positions follow the prefix
             positions = cache.prefix_lens[layout.seq_ids] + layout.token_offsets
+            if cache.mask is None and not cache.full_rows:
+                window = self.config.sliding_window
+                cache.mask = cache_mask(layout, cache.prefix_lens, cache.max_kv_len, window)
         else:
             positions = layout.position_ids
         cos, sin = self.rotary.cos_sin(positions, h.dtype)

@@ -39,7 +39,12 @@ def generate(
     slots = torch.arange(b, device=device)
     prefix = torch.zeros(b, dtype=torch.int64, device=device)
     last = layout.cu_seqlens[1:] - 1
-    out = model(ids, layout, cache=CacheBatch(cache, slots, prefix, max(lens)), logits_index=last)
+    out = model(
+        ids,
+        layout,
+        cache=CacheBatch(cache, slots, prefix, max(lens), slots_are_prefix=True),
+        logits_index=last,
+    )
     lengths = torch.tensor(lens, dtype=torch.int64, device=device)
     done = [False] * b
     results: list[list[int]] = [[] for _ in range(b)]
@@ -70,6 +75,10 @@ def generate(
         slot_t = torch.tensor(active, device=device)
         pre = lengths[slot_t]
         max_kv = max(lens[i] + len(results[i]) for i in active)
-        logits = model(nxt, one, cache=CacheBatch(cache, slot_t, pre, max_kv)).logits
+        full = all(lens[i] + len(results[i]) == max_kv for i in active)
+        batch = CacheBatch(
+            cache, slot_t, pre, max_kv, slots_are_prefix=len(active) == b, full_rows=full
+        )
+        logits = model(nxt, one, cache=batch).logits
         lengths[slot_t] += 1
     return results

@@ -92,13 +92,15 @@ def lr_at(step: int, cfg: WarmstartConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
-def run_warmstart(recipe: Recipe, out_path: str | Path, *, progress=None) -> WarmstartResult:
+def run_warmstart(
+    recipe: Recipe, out_path: str | Path, *, task: Task | None = None, progress=None
+) -> WarmstartResult:
     """Train the preset on the recipe's task and write the checkpoint to ``out_path``."""
     cfg = recipe.policy.warmstart or WarmstartConfig()
+    task = task or task_from_recipe(recipe)
     set_determinism(recipe.run.deterministic, recipe.run.threads)
     seed_everything(recipe.run.seed)
     device = pick_device(recipe.run.device)
-    task = task_from_recipe(recipe)
     tok = char_tokenizer()
     ids = special_ids(tok)
     config = preset_config(

@@ -109,6 +109,20 @@ def flex_packed(
     return out[0].transpose(0, 1), lse[0].transpose(0, 1).float()
 
 
+def cache_mask(
+    layout: PackedLayout, prefix_lens: torch.Tensor, max_kv_len: int, window: int | None
+) -> torch.Tensor:
+    """[B, 1, M, L] bool: new token j of sequence b (position prefix_b + j) sees keys ≤ itself."""
+    m = layout.max_seqlen
+    device = prefix_lens.device
+    q_pos = prefix_lens[:, None] + torch.arange(m, device=device)[None, :]  # [B, M]
+    k_pos = torch.arange(max_kv_len, device=device)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, M, L]
+    if window is not None:
+        mask &= (q_pos[:, :, None] - k_pos[None, None, :]) < window
+    return mask[:, None]
+
+
 def cached_attention(
     q: torch.Tensor,  # [T, Hq, D] new tokens, packed by sequence
     k: torch.Tensor,  # [T, Hkv, D]
@@ -122,32 +136,37 @@ def cached_attention(
     """Append the new K/V to their cache slots, then attend over prefix + new tokens."""
     t, hq, d = q.shape
     hkv = k.shape[1]
-    b = layout.num_seqs
-    seq, off = _pad_index(layout)
-    # Write the new keys/values at slot, prefix_len + offset.
-    slot_t = cache.slots[seq]
-    pos_t = cache.prefix_lens[seq] + off
+    b, m, kv_len = layout.num_seqs, layout.max_seqlen, cache.max_kv_len
+    uniform = t == b * m  # every sequence brings m tokens: packed == padded, no scatter
+    if uniform:
+        pos_t = (cache.prefix_lens[:, None] + torch.arange(m, device=q.device)).reshape(-1)
+        slot_t = cache.slots.repeat_interleave(m) if m > 1 else cache.slots
+    else:
+        seq, off = _pad_index(layout)
+        slot_t = cache.slots[seq]
+        pos_t = cache.prefix_lens[seq] + off
     cache.k.index_put_((slot_t, pos_t), k.to(cache.k.dtype))
     cache.v.index_put_((slot_t, pos_t), v.to(cache.v.dtype))
-    m, kv_len = layout.max_seqlen, cache.max_kv_len
-    kp = cache.k[cache.slots, :kv_len].to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-    vp = cache.v[cache.slots, :kv_len].to(q.dtype).transpose(1, 2)
-    if b == 1 and m == t:
-        qp = q.unsqueeze(0)
+    if cache.slots_are_prefix:
+        kp, vp = cache.k[:b, :kv_len], cache.v[:b, :kv_len]  # views, no copy
+    else:
+        kp, vp = cache.k[cache.slots, :kv_len], cache.v[cache.slots, :kv_len]
+    kp = kp.to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+    vp = vp.to(q.dtype).transpose(1, 2)
+    if uniform:
+        qp = q.view(b, m, hq, d)
     else:
         qp = q.new_zeros(b, m, hq, d).index_put((seq, off), q)
-    qp = qp.transpose(1, 2)  # [B, Hq, M, D]
-    q_pos = cache.prefix_lens[:, None] + torch.arange(m, device=q.device)[None, :]  # [B, M]
-    k_pos = torch.arange(kv_len, device=q.device)
-    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, M, L]
-    if window is not None:
-        mask &= (q_pos[:, :, None] - k_pos[None, None, :]) < window
-    if hq != hkv:
-        kp = kp.repeat_interleave(hq // hkv, dim=1)
-        vp = vp.repeat_interleave(hq // hkv, dim=1)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask[:, None], scale=scale)
+    if cache.full_rows and (window is None or window >= kv_len):
+        mask = None  # every query sees every cached key: no mask, fastest SDPA path
+    else:
+        mask = cache.mask
+        if mask is None:
+            mask = cache_mask(layout, cache.prefix_lens, kv_len, window)
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), kp, vp, attn_mask=mask, scale=scale, enable_gqa=hq != hkv
+    )
     out = out.transpose(1, 2)  # [B, M, Hq, D]
-    if b == 1 and m == t:
-        return out[0]
+    if uniform:
+        return out.reshape(t, hq, d)
     return out[seq, off]

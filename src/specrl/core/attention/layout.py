@@ -88,3 +88,6 @@ class CacheView:
     slots: torch.Tensor  # [B] int64
     prefix_lens: torch.Tensor  # [B] int64
     max_kv_len: int
+    slots_are_prefix: bool = False  # host flag: slots == arange(B) → slice the cache, no gather
+    mask: torch.Tensor | None = None  # [B, 1, M, max_kv_len] bool, shared by all layers
+    full_rows: bool = False  # host flag: one new token each and prefix+1 == max_kv_len for all

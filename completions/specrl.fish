@@ -1,0 +1,1 @@
+complete --command specrl --no-files --arguments "(env _SPECRL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) specrl)" --condition "env _SPECRL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) specrl"
