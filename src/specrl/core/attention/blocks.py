@@ -105,7 +105,7 @@ class TorchBlocks:
 
     name = "torch"
 
-    def __init__(self, chunk: int = 256) -> None:
+    def __init__(self, chunk: int = 64) -> None:
         if chunk < 1:
             raise ValueError(f"chunk must be ≥ 1, got {chunk}")
         self.chunk = chunk

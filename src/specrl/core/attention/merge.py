@@ -49,13 +49,15 @@ def merge_rows_(
     part_lse: torch.Tensor,  # [R, H]
 ) -> None:
     """Merge a partial result into (a subset of the rows of) running accumulators, in place."""
-    if rows is None:
-        new_out, new_lse = merge(out, lse, part_out, part_lse)
-        out.copy_(new_out)
-        lse.copy_(new_lse)
+    if rows is not None:
+        sub_out, sub_lse = out.index_select(0, rows), lse.index_select(0, rows)
+        merge_rows_(sub_out, sub_lse, None, part_out, part_lse)
+        out.index_copy_(0, rows, sub_out)
+        lse.index_copy_(0, rows, sub_lse)
         return
-    new_out, new_lse = merge(
-        out.index_select(0, rows), lse.index_select(0, rows), part_out, part_lse
-    )
-    out.index_copy_(0, rows, new_out)
-    lse.index_copy_(0, rows, new_lse)
+    part_lse = part_lse.to(lse.dtype)
+    new = torch.logaddexp(lse, part_lse)
+    ref = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    out.mul_(torch.exp(lse - ref).unsqueeze(-1))
+    out.add_(torch.exp(part_lse - ref).unsqueeze(-1) * part_out)
+    lse.copy_(new)

@@ -29,7 +29,6 @@ order: per forward (cp−1) exchanges, per backward (cp−1) K/V exchanges and c
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -284,29 +283,65 @@ def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return x if rows is None else x.index_select(0, rows)
 
 
-def block_forward_into(
-    out: torch.Tensor,  # [T, Hq, D] accumulator
-    lse: torch.Tensor,  # [T, Hq] accumulator
-    kernel: BlockKernel,
-    spec: BlockSpec,
-    q: torch.Tensor,  # [T, Hq, D]
-    k: torch.Tensor,  # [N, Hkv, D]
-    v: torch.Tensor,  # [N, Hkv, D]
-    scale: float,
-) -> None:
-    """Run one block and merge its (out, lse) into the accumulators."""
-    o_b, l_b = kernel.forward(
-        _take(q, spec.q_rows),
-        _take(k, spec.kv_rows),
-        _take(v, spec.kv_rows),
-        spec.cu_q,
-        spec.cu_k,
-        spec.max_q,
-        spec.max_k,
-        spec.causal,
-        scale,
-    )
-    merge_rows_(out, lse, spec.q_rows, o_b, l_b)
+def has_branch(branch_k: torch.Tensor | None) -> bool:
+    return branch_k is not None and branch_k.shape[0] > 0
+
+
+class PartialAttention:
+    """Running (out, lse) of the local query rows in acc dtype, merged block by block.
+
+    The first block must cover every row (the diagonal block does): it becomes the accumulator
+    as is, so no −inf initial state is ever merged.
+    """
+
+    def __init__(self) -> None:
+        self.out: torch.Tensor | None = None  # [T, Hq, D]
+        self.lse: torch.Tensor | None = None  # [T, Hq]
+
+    def add(self, rows: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Merge a partial result of the given rows (None: all rows)."""
+        if self.out is None:
+            if rows is not None:
+                raise ValueError("the first block must cover every query row")
+            dt = acc_dtype(out.dtype)
+            self.out, self.lse = out.to(dt), lse.to(dt)
+        else:
+            merge_rows_(self.out, self.lse, rows, out, lse)
+
+    def add_block(
+        self,
+        kernel: BlockKernel,
+        spec: BlockSpec,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [N, Hkv, D]
+        v: torch.Tensor,  # [N, Hkv, D]
+        scale: float,
+    ) -> None:
+        """Run one block and merge it."""
+        out, lse = kernel.forward(
+            _take(q, spec.q_rows),
+            _take(k, spec.kv_rows),
+            _take(v, spec.kv_rows),
+            spec.cu_q,
+            spec.cu_k,
+            spec.max_q,
+            spec.max_k,
+            spec.causal,
+            scale,
+        )
+        self.add(spec.q_rows, out, lse)
+
+    def add_branch(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        branch_k: torch.Tensor | None,  # [J, T, Hkv, D]
+        branch_v: torch.Tensor | None,
+        scale: float,
+    ) -> None:
+        """Merge the branch part, if any."""
+        if has_branch(branch_k):
+            assert branch_v is not None
+            self.add(None, *branch_forward(q, branch_k, branch_v, scale))
 
 
 def block_backward(
@@ -344,24 +379,6 @@ def block_backward(
     return dk_b, dv_b
 
 
-def has_branch(branch_k: torch.Tensor | None) -> bool:
-    return branch_k is not None and branch_k.shape[0] > 0
-
-
-def merge_branch(
-    out: torch.Tensor,  # [T, Hq, D] accumulator
-    lse: torch.Tensor,  # [T, Hq] accumulator
-    q: torch.Tensor,
-    branch_k: torch.Tensor | None,
-    branch_v: torch.Tensor | None,
-    scale: float,
-) -> None:
-    """Merge the branch part (if any) into the accumulators."""
-    if has_branch(branch_k):
-        assert branch_v is not None
-        merge_rows_(out, lse, None, *branch_forward(q, branch_k, branch_v, scale))
-
-
 def branch_grads(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -391,14 +408,11 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, branch_k, branch_v, geometry, comm, kernel, scale):
-        t, hq, d = q.shape
-        dt = acc_dtype(q.dtype)
-        out = torch.zeros(t, hq, d, dtype=dt, device=q.device)
-        lse = torch.full((t, hq), -math.inf, dtype=dt, device=q.device)
+        acc = PartialAttention()
         for src, k_src, v_src in comm.circulate(k, v):
-            block_forward_into(out, lse, kernel, geometry.ring_block(src), q, k_src, v_src, scale)
-        merge_branch(out, lse, q, branch_k, branch_v, scale)
-        out = out.to(q.dtype)
+            acc.add_block(kernel, geometry.ring_block(src), q, k_src, v_src, scale)
+        acc.add_branch(q, branch_k, branch_v, scale)
+        out, lse = acc.out.to(q.dtype), acc.lse
         ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse)
         ctx.geometry, ctx.comm, ctx.kernel, ctx.scale = geometry, comm, kernel, scale
         ctx.mark_non_differentiable(lse)

@@ -47,13 +47,12 @@ from specrl.core.attention.layout import PackedLayout
 from specrl.core.attention.merge import acc_dtype
 from specrl.core.attention.ring import (
     AccumulatorRing,
+    PartialAttention,
     RingAttention,
     RingComm,
     RingGeometry,
     block_backward,
-    block_forward_into,
     branch_grads,
-    merge_branch,
 )
 
 Mode = Literal["ring", "ring_once", "gather"]
@@ -141,14 +140,11 @@ class _GatheredAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, kv_all, branch_k, branch_v, geometry, kernel, scale):
-        t, hq, d = q.shape
-        dt = acc_dtype(q.dtype)
-        out = torch.zeros(t, hq, d, dtype=dt, device=q.device)
-        lse = torch.full((t, hq), -math.inf, dtype=dt, device=q.device)
+        acc = PartialAttention()
         for spec in geometry.gathered_blocks():
-            block_forward_into(out, lse, kernel, spec, q, kv_all[0], kv_all[1], scale)
-        merge_branch(out, lse, q, branch_k, branch_v, scale)
-        out = out.to(q.dtype)
+            acc.add_block(kernel, spec, q, kv_all[0], kv_all[1], scale)
+        acc.add_branch(q, branch_k, branch_v, scale)
+        out, lse = acc.out.to(q.dtype), acc.lse
         ctx.save_for_backward(q, kv_all, branch_k, branch_v, out, lse)
         ctx.geometry, ctx.kernel, ctx.scale = geometry, kernel, scale
         ctx.mark_non_differentiable(lse)
