@@ -1,0 +1,764 @@
+"""The embedded rollout engine: continuous batching over a slot KV cache, with speculation.
+
+``RolloutEngine(model, …).generate(requests)`` returns one :class:`Result` per sample
+(``n`` per request, request-major).  One engine **step**:
+
+1. admit waiting sequences into free KV-cache slots (continuous batching: a finished sequence
+   frees its slot at once);
+2. decide speculation for the running batch (:class:`~specrl.rollout.gating.SpecController`:
+   batch-size gate, then a drafter and k per sequence) and collect drafts from the proposers;
+3. one packed **prefill** forward for all newly admitted prompts (the samples of one request
+   share it: their slots get a copy of the prompt's KV), and one packed **verification**
+   forward for the running sequences, each bringing ``[last token, d_1..d_k]`` with its own k
+   (a plain step is k = 0 for everyone);
+4. lossless verification on device (:func:`~specrl.rollout.verify.verify`), then **one** host
+   transfer for the whole step (tokens, acceptance counts, logprobs);
+5. append tokens, apply stop conditions (stop token ids incl. eos, stop strings, max_tokens),
+   hand taps of the committed positions to the proposers, release finished sequences.
+
+Rejected drafts leave stale K/V beyond a slot's committed length; attention never looks past a
+query's own position, and the next step overwrites them.  Invariant once prefilled:
+``seq.kv_len == len(seq.tokens) - 1`` (the last emitted token is fed by the next step).
+
+Weights: ``update_weights(policy=…, draft=…, version=…)`` copies tensors in place (shared
+references, e.g. a draft sharing the target embedding, stay valid) and arms the stale-draft
+alarm (:class:`~specrl.rollout.metrics.AcceptanceAlarm`) for proposers with weights.
+Call it between ``generate`` calls or, in the server, between steps: sequences in flight keep
+the K/V computed by the old weights (``Result.policy_versions`` says which versions decoded it).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from specrl.core.attention import PackedLayout
+from specrl.errors import CheckpointError, ConfigError
+from specrl.models.decoder import CacheBatch, Transformer
+from specrl.models.tokenizer import TextCodec
+from specrl.rollout.gating import Arm, SpecController
+from specrl.rollout.metrics import AcceptanceAlarm, SpecStats
+from specrl.rollout.proposers import (
+    Draft,
+    Proposer,
+    ProposerContext,
+    SeqState,
+    SupportsWeights,
+    build_proposer,
+)
+from specrl.rollout.sampling import (
+    RowParams,
+    SamplingParams,
+    sampling_probs,
+    sequence_generator,
+)
+from specrl.rollout.verify import emitted_logprobs, verify
+
+
+@dataclass
+class Request:
+    """A prompt (text, needs the engine's codec; or token ids) and how to sample it."""
+
+    prompt: str | Sequence[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | None = None  # default: "req-<counter>"
+
+
+@dataclass
+class Result:
+    """One finished sample.
+
+    ``logprobs[i]`` is log p(tokens[i]) under the distribution it was drawn from (after
+    temperature/top-k/top-p; greedy → 0.0); ``policy_logprobs[i]`` is the raw policy's
+    log-softmax at temperature 1, the one RL importance ratios need.  ``tokens`` include a final
+    stop token; ``text`` excludes stop tokens and is cut before a matched stop string.
+    """
+
+    request_id: str
+    index: int  # sample index within the request (a GRPO group shares request_id)
+    prompt_tokens: list[int]
+    tokens: list[int]
+    text: str
+    logprobs: list[float]
+    policy_logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    stop_reason: int | str | None  # the stop token id or stop string, if any
+    spec: dict[str, Any]  # per-request speculation statistics (SpecStats.to_dict() + forwards)
+    policy_versions: tuple[int, int]  # policy versions of its first and last step
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "index": self.index,
+            "text": self.text,
+            "tokens": self.tokens,
+            "logprobs": self.logprobs,
+            "policy_logprobs": self.policy_logprobs,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+            "policy_versions": list(self.policy_versions),
+            "spec": self.spec,
+        }
+
+
+@dataclass
+class SpecConfig:
+    """Speculation settings of an engine (``RolloutEngine(spec=None)`` decodes plainly)."""
+
+    proposers: tuple[str, ...] = ("ngram",)  # registry names; the bandit chooses among them
+    max_k: int = 4  # longest draft; the bandit tries powers of two below it and max_k
+    proposer_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    gate: bool = True  # batch-size gate from the online cost model (False: always speculate)
+    epsilon: float = 0.1  # bandit exploration rate
+    hysteresis: float = 0.1  # gate switches off below 1 − h and on above 1 + h expected speedup
+    probe: float = 0.05  # probability of a speculative step while the gate is off
+    cost_window: int = 256  # decode steps in the cost model's least-squares fit
+    alarm_window: int = 32  # drafts per window of the stale-draft alarm
+    alarm_tau: float = 1.05  # τ at or below which a window raises the alarm
+
+
+@dataclass
+class _Launch:
+    """One packed forward of a step, prepared on the host, then run, then read back."""
+
+    prefill: bool
+    seqs: list[SeqState]
+    inputs: list[list[int]]  # tokens fed per sequence
+    drafts: list[Draft]  # decode: the draft per sequence (empty for prefill)
+    arms: list[Arm | None]  # decode: bandit arm per sequence when speculating
+    caps: list[int]  # decode: draft length allowed per sequence
+    input_starts: list[int]  # first packed input row of each sequence
+    num_rows: list[int]  # verified (logit) rows per sequence: k + 1
+    tensors: dict[str, Any] = field(default_factory=dict)  # device inputs
+    out: dict[str, Any] = field(default_factory=dict)  # device outputs
+    k1: int = 1  # K + 1, width of the padded [B, K+1] tables
+
+
+class RolloutEngine:
+    """Batched, speculative, continuous-batching decoding of one target model."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        codec: TextCodec | None = None,
+        max_batch_size: int = 16,
+        max_model_len: int | None = None,
+        spec: SpecConfig | None = None,
+        seed: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be ≥ 1, got {max_batch_size}")
+        self.model = model.eval()
+        self.codec = codec
+        self.device = model.device
+        self.vocab_size = model.config.vocab_size
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len or model.config.max_position_embeddings
+        self.cache = model.new_cache(max_batch_size, self.max_model_len)
+        self.clock = clock
+        if eos_token_ids is None:
+            eos = codec.eos_ids if codec is not None else model.config.eos_token_id
+            eos_token_ids = (
+                eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+            )
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.spec = spec
+        ctx = ProposerContext(model, self.max_model_len, max_batch_size, seed)
+        names = spec.proposers if spec is not None else ()
+        if spec is not None and spec.max_k < 1:
+            raise ConfigError(f"max k must be ≥ 1, got {spec.max_k}")
+        self.proposers: dict[str, Proposer] = {
+            name: build_proposer(name, ctx, **dict(spec.proposer_options.get(name, {})))
+            for name in names
+        }
+        self.tap_layers = tuple(sorted({t for p in self.proposers.values() for t in p.tap_layers}))
+        self.controller = SpecController(
+            list(self.proposers),
+            spec.max_k if spec is not None else 1,
+            epsilon=spec.epsilon if spec else 0.0,
+            hysteresis=spec.hysteresis if spec else 0.0,
+            probe=spec.probe if spec else 0.0,
+            cost_window=spec.cost_window if spec else 1,
+            gate=spec.gate if spec else False,
+            seed=seed,
+        )
+        self.alarm = AcceptanceAlarm(
+            spec.alarm_window if spec else 32, spec.alarm_tau if spec else 1.05
+        )
+        self.policy_version = 0
+        self.draft_version = 0
+        self._rng = random.Random(seed)
+        self._waiting: deque[SeqState] = deque()
+        self._running: list[SeqState] = []
+        self._free_slots = list(range(max_batch_size - 1, -1, -1))  # pop() → lowest slot first
+        self._next_seq = 0
+        self._next_request = 0
+        self._open: dict[str, int] = {}  # request id → samples not finished yet
+        # counters behind stats()
+        self._steps = 0
+        self._prefill_forwards = 0
+        self._decode_forwards = 0
+        self._tokens = 0
+        self._seconds = 0.0
+        self._finished = 0
+        self._spec = SpecStats()
+        self._by_proposer = {name: SpecStats() for name in self.proposers}
+
+    # ---------------------------------------------------------------------- requests
+    def add_requests(self, requests: Sequence[Request]) -> list[str]:
+        """Queue requests (``n`` sequences each); returns their ids.
+
+        All are validated before any is queued: a bad one raises ValueError and queues nothing.
+        """
+        seqs = self._make_all(requests)
+        for group in seqs:
+            self._waiting.extend(group)
+        return [group[0].request_id for group in seqs]
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def generate(
+        self,
+        requests: Sequence[Request],
+        *,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[Result]:
+        """Decode every request to completion; results request-major, then by sample index.
+
+        The engine must be idle (no requests queued through :meth:`add_requests`).
+        ``progress(done, total)`` is called after each step that finished samples.
+        """
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine; drain add_requests() work first")
+        seqs = [s for group in self._make_all(requests) for s in group]
+        order = {(s.request_id, s.index): i for i, s in enumerate(seqs)}
+        self._waiting.extend(seqs)
+        results: list[Result | None] = [None] * len(seqs)
+        done = 0
+        while self.has_unfinished():
+            finished = self.step()
+            for r in finished:
+                results[order[r.request_id, r.index]] = r
+            done += len(finished)
+            if finished and progress is not None:
+                progress(done, len(seqs))
+        return [r for r in results if r is not None]
+
+    def _make_all(self, requests: Sequence[Request]) -> list[list[SeqState]]:
+        seqs = []
+        for r in requests:
+            try:
+                seqs.append(self._make_seqs(r))
+            except ValueError as exc:
+                raise ValueError(f"{r.request_id}: {exc}" if r.request_id else str(exc)) from None
+        ids = [group[0].request_id for group in seqs]
+        clash = sorted({i for i, c in Counter(ids).items() if c > 1 or i in self._open})
+        if clash:
+            raise ValueError(f"request id {clash[0]!r} is already in use")
+        for group in seqs:
+            self._open[group[0].request_id] = len(group)
+        return seqs
+
+    def _make_seqs(self, request: Request) -> list[SeqState]:
+        params = request.params
+        params.validate(self.vocab_size)
+        if isinstance(request.prompt, str):
+            if self.codec is None:
+                raise ValueError("text prompts need an engine built with a codec (tokenizer)")
+            prompt = self.codec.encode_prompt(request.prompt)
+        else:
+            prompt = [int(t) for t in request.prompt]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"engine's max_model_len ({self.max_model_len})"
+            )
+        if params.stop and self.codec is None:
+            raise ValueError("stop strings need an engine built with a codec (tokenizer)")
+        rid = request.request_id or f"req-{self._next_request}"
+        self._next_request += 1
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seqs = []
+        for j in range(params.n):
+            gen = None if params.greedy else sequence_generator(seed, j, self.device)
+            seqs.append(SeqState(self._next_seq, rid, j, list(prompt), len(prompt), params, gen))
+            self._next_seq += 1
+        return seqs
+
+    # ---------------------------------------------------------------------- one step
+    @torch.no_grad()
+    def step(self) -> list[Result]:
+        """Admit, prefill, speculate/decode and verify once; returns the samples that finished."""
+        t0 = self.clock()
+        decoding = [s for s in self._running if s.kv_len > 0]
+        admitted = self._admit()
+        launches: list[_Launch] = []
+        if decoding:
+            launches.append(self._plan_decode(decoding))
+        if admitted:
+            launches.insert(0, self._plan_prefill(admitted))
+        for launch in launches:  # every host→device input first, then the forwards
+            self._prepare(launch)
+        for launch in launches:
+            self._run(launch)
+        host = self._read_back(launches)  # the step's only device→host transfer
+        finished: list[Result] = []
+        for launch, values in zip(launches, host, strict=True):
+            finished += self._apply(launch, values)
+        seconds = self.clock() - t0
+        self._steps += 1
+        self._seconds += seconds
+        if decoding and not admitted:
+            decode = launches[-1]
+            self.controller.record_step(sum(decode.num_rows), seconds)
+        if decoding:
+            self._learn(launches[-1], host[-1])
+        return finished
+
+    def _admit(self) -> list[SeqState]:
+        admitted = []
+        while self._waiting and self._free_slots:
+            seq = self._waiting.popleft()
+            seq.slot = self._free_slots.pop()
+            seq.policy_versions = (self.policy_version, self.policy_version)
+            self._running.append(seq)
+            admitted.append(seq)
+            for p in self.proposers.values():
+                p.reset(seq)
+        return admitted
+
+    def _plan_prefill(self, seqs: list[SeqState]) -> _Launch:
+        """Prefill each distinct request once; its other samples share the logits row and KV."""
+        leaders: dict[str, SeqState] = {}
+        for s in seqs:
+            leaders.setdefault(s.request_id, s)
+        fed = list(leaders.values())
+        return _Launch(
+            prefill=True,
+            seqs=seqs,
+            inputs=[s.tokens[:] for s in fed],
+            drafts=[Draft([]) for _ in seqs],
+            arms=[None] * len(seqs),
+            caps=[0] * len(seqs),
+            input_starts=[],
+            num_rows=[1] * len(seqs),
+        )
+
+    def _plan_decode(self, seqs: list[SeqState]) -> _Launch:
+        arms = self.controller.plan(len(seqs))
+        drafts = [Draft([]) for _ in seqs]
+        caps = [0] * len(seqs)
+        if arms is not None:
+            asked: dict[str, list[int]] = {}
+            for b, (seq, arm) in enumerate(zip(seqs, arms, strict=True)):
+                # never draft past max_tokens: k + 1 tokens can be emitted
+                caps[b] = min(arm.k, seq.params.max_tokens - len(seq.output) - 1)
+                if caps[b] > 0:
+                    asked.setdefault(arm.proposer, []).append(b)
+            for name, idx in asked.items():
+                got = self.proposers[name].propose([seqs[b] for b in idx], [caps[b] for b in idx])
+                if len(got) != len(idx):
+                    raise RuntimeError(
+                        f"proposer {name!r} returned {len(got)} drafts for {len(idx)}"
+                    )
+                for b, draft in zip(idx, got, strict=True):
+                    drafts[b] = self._checked(name, draft, caps[b])
+        return _Launch(
+            prefill=False,
+            seqs=seqs,
+            inputs=[[s.tokens[-1], *d.tokens] for s, d in zip(seqs, drafts, strict=True)],
+            drafts=drafts,
+            arms=list(arms) if arms is not None else [None] * len(seqs),
+            caps=caps,
+            input_starts=[],
+            num_rows=[len(d.tokens) + 1 for d in drafts],
+        )
+
+    def _checked(self, name: str, draft: Draft, cap: int) -> Draft:
+        """A proposer's draft cut to ``cap`` tokens, with its ids and q shape validated."""
+        tokens = [int(t) for t in draft.tokens[:cap]]
+        if any(not 0 <= t < self.vocab_size for t in tokens):
+            raise RuntimeError(f"proposer {name!r} drafted a token outside the vocabulary")
+        probs = draft.probs
+        if probs is not None:
+            if (
+                probs.dim() != 2
+                or probs.shape[1] != self.vocab_size
+                or probs.shape[0] < len(tokens)
+            ):
+                raise RuntimeError(
+                    f"proposer {name!r}: draft probs must be [k, {self.vocab_size}], "
+                    f"got {tuple(probs.shape)}"
+                )
+            probs = probs[: len(tokens)]
+        return Draft(tokens, probs)
+
+    def _prepare(self, launch: _Launch) -> None:
+        """Host lists → device tensors for the forward and the verifier."""
+        dev = self.device
+        lens = [len(x) for x in launch.inputs]
+        starts, pos = [], 0
+        for n in lens:
+            starts.append(pos)
+            pos += n
+        launch.input_starts = starts
+        t = launch.tensors
+        fed = launch.seqs if not launch.prefill else self._leaders(launch)
+        t["ids"] = torch.tensor([x for seq in launch.inputs for x in seq], device=dev)
+        t["layout"] = PackedLayout.from_lengths(lens, device=dev)
+        t["slots"] = torch.tensor([s.slot for s in fed], dtype=torch.int64, device=dev)
+        t["prefix"] = torch.tensor([s.kv_len for s in fed], dtype=torch.int64, device=dev)
+        t["max_kv"] = max(s.kv_len + n for s, n in zip(fed, lens, strict=True))
+        # logit rows: the last num_rows rows of each sequence's input (prefill: its leader's)
+        feeder = self._feeder_index(launch)
+        logit_rows: list[int] = []
+        row_start: list[int] = []
+        for b, n in enumerate(launch.num_rows):
+            f = feeder[b]
+            row_start.append(len(logit_rows))
+            end = starts[f] + lens[f]
+            logit_rows += range(end - n, end)
+        k1 = max(launch.num_rows)
+        launch.k1 = k1
+        t["logits_index"] = torch.tensor(logit_rows, dtype=torch.int64, device=dev)
+        t["row_index"] = torch.tensor(
+            [
+                [r + min(j, n - 1) for j in range(k1)]
+                for r, n in zip(row_start, launch.num_rows, strict=True)
+            ],
+            dtype=torch.int64,
+            device=dev,
+        )
+        t["num_drafts"] = torch.tensor(
+            [n - 1 for n in launch.num_rows], dtype=torch.int64, device=dev
+        )
+        t["draft_tokens"] = torch.tensor(
+            [x for d in launch.drafts for x in (*d.tokens, 0)], dtype=torch.int64, device=dev
+        )
+        t["params"] = RowParams.build([s.params for s in launch.seqs], launch.num_rows, dev)
+        t["uniforms"] = self._uniforms(launch)
+        if any(d.probs is not None for d in launch.drafts):
+            t["draft_probs"] = torch.cat([self._q_rows(d) for d in launch.drafts], dim=0)  # [R, V]
+
+    def _leaders(self, launch: _Launch) -> list[SeqState]:
+        seen: dict[str, SeqState] = {}
+        for s in launch.seqs:
+            seen.setdefault(s.request_id, s)
+        return list(seen.values())
+
+    def _feeder_index(self, launch: _Launch) -> list[int]:
+        """For each sequence, the index of the input segment that carries it."""
+        if not launch.prefill:
+            return list(range(len(launch.seqs)))
+        where = {s.request_id: i for i, s in enumerate(self._leaders(launch))}
+        return [where[s.request_id] for s in launch.seqs]
+
+    def _q_rows(self, draft: Draft) -> torch.Tensor:
+        """[k + 1, V] q rows of one sequence (one-hot for a probs-less draft; last row unused)."""
+        v = self.vocab_size
+        dtype = torch.float64 if self.model.dtype == torch.float64 else torch.float32  # as p
+        if draft.probs is not None:
+            q = draft.probs.to(self.device, dtype)  # [k, V]
+        else:
+            ids = torch.tensor(draft.tokens, dtype=torch.int64, device=self.device)
+            q = F.one_hot(ids, v).to(dtype)  # [k, V]
+        return torch.cat([q, q.new_zeros(1, v)], dim=0)
+
+    def _uniforms(self, launch: _Launch) -> torch.Tensor:
+        """[R, 2] uniforms: each sequence's rows from its own generator (zeros when greedy)."""
+        dev = self.device
+        if all(s.generator is None for s in launch.seqs):
+            return torch.zeros(sum(launch.num_rows), 2, device=dev)
+        parts = [
+            torch.zeros(n, 2, device=dev)
+            if s.generator is None
+            else torch.rand(n, 2, generator=s.generator, device=dev)
+            for s, n in zip(launch.seqs, launch.num_rows, strict=True)
+        ]
+        return torch.cat(parts, dim=0)
+
+    def _run(self, launch: _Launch) -> None:
+        """The target forward and on-device verification (no host sync)."""
+        t = launch.tensors
+        cache = CacheBatch(self.cache, t["slots"], t["prefix"], t["max_kv"])
+        out = self.model(
+            t["ids"], t["layout"], taps=self.tap_layers, cache=cache, logits_index=t["logits_index"]
+        )
+        if launch.prefill:
+            self._share_prefix_kv(launch)
+            self._prefill_forwards += 1
+        else:
+            self._decode_forwards += 1
+        logits = out.logits  # [R, V]
+        probs = sampling_probs(logits, t["params"])  # [R, V]
+        ver = verify(
+            probs,
+            t["draft_tokens"],
+            t.get("draft_probs"),
+            t["uniforms"],
+            t["row_index"],
+            t["num_drafts"],
+        )
+        sampled_lp, policy_lp = emitted_logprobs(probs, logits, t["row_index"], ver.tokens)
+        launch.out = {
+            "tokens": ver.tokens,  # [B, K+1]
+            "num_accepted": ver.num_accepted,  # [B]
+            "logprobs": sampled_lp,  # [B, K+1]
+            "policy_logprobs": policy_lp,  # [B, K+1]
+            "taps": out.taps,  # layer → [T, H]
+        }
+
+    def _share_prefix_kv(self, launch: _Launch) -> None:
+        """Copy each leader's prompt K/V into the slots of the request's other samples."""
+        leader_slot = {s.request_id: s.slot for s in self._leaders(launch)}
+        pairs = [(leader_slot[s.request_id], s.slot) for s in launch.seqs]
+        pairs = [(a, b) for a, b in pairs if a != b]
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], device=self.device)
+        dst = torch.tensor([b for _, b in pairs], device=self.device)
+        n = max(len(s.tokens) for s in launch.seqs)
+        for kv in (self.cache.k, self.cache.v):
+            for layer in kv.values():
+                layer[dst, :n] = layer[src, :n]
+
+    def _read_back(self, launches: list[_Launch]) -> list[dict[str, list]]:
+        parts = []
+        for launch in launches:
+            o = launch.out
+            parts += [
+                o["tokens"].flatten().double(),
+                o["num_accepted"].double(),
+                o["logprobs"].flatten().double(),
+                o["policy_logprobs"].flatten().double(),
+            ]
+        flat = torch.cat(parts).tolist() if parts else []
+        out, pos = [], 0
+        for launch in launches:
+            b, k1 = len(launch.seqs), launch.k1
+
+            def take(n: int) -> list[float]:
+                nonlocal pos
+                pos += n
+                return flat[pos - n : pos]
+
+            tokens = take(b * k1)
+            acc = take(b)
+            lp = take(b * k1)
+            plp = take(b * k1)
+            out.append(
+                {
+                    "tokens": [[int(x) for x in tokens[i * k1 : (i + 1) * k1]] for i in range(b)],
+                    "num_accepted": [int(x) for x in acc],
+                    "logprobs": [lp[i * k1 : (i + 1) * k1] for i in range(b)],
+                    "policy_logprobs": [plp[i * k1 : (i + 1) * k1] for i in range(b)],
+                }
+            )
+        return out
+
+    # ---------------------------------------------------------------------- bookkeeping
+    def _apply(self, launch: _Launch, host: dict[str, list]) -> list[Result]:
+        accepted_all, committed = [], []
+        for b, seq in enumerate(launch.seqs):
+            n_acc = host["num_accepted"][b]
+            k = launch.num_rows[b] - 1
+            accepted_all.append(n_acc)
+            seq.forwards += 1
+            seq.policy_versions = (seq.policy_versions[0], self.policy_version)
+            if not launch.prefill:
+                arm = launch.arms[b]
+                name = arm.proposer if arm is not None and k > 0 else None
+                seq.stats.record(k, n_acc, name)
+                self._spec.record(k, n_acc, name)
+                if name is not None:
+                    self._by_proposer[name].record(k, n_acc, name)
+                    self.alarm.observe(name, 1, n_acc)
+            appended = 0
+            for j in range(n_acc + 1):
+                tok = host["tokens"][b][j]
+                seq.tokens.append(tok)
+                seq.logprobs.append(host["logprobs"][b][j])
+                seq.policy_logprobs.append(host["policy_logprobs"][b][j])
+                appended += 1
+                if self._stopped(seq, tok):
+                    break
+            self._tokens += appended
+            # positions whose K/V are kept: the prompt, or the fed tokens that stay in the
+            # sequence (a stop inside the accepted drafts drops the fed tokens after it)
+            committed.append(seq.prompt_len if launch.prefill else appended)
+            seq.kv_len += committed[-1]
+        if self.proposers:
+            taps = self._committed_taps(launch, committed)
+            for p in self.proposers.values():
+                p.observe(launch.seqs, accepted_all, taps, committed)
+        return [self._finish(s) for s in launch.seqs if s.finish_reason is not None]
+
+    def _committed_taps(
+        self, launch: _Launch, committed: list[int]
+    ) -> dict[int, torch.Tensor] | None:
+        """Tap rows of the committed positions, sequences in batch order; [Σ committed, H]."""
+        if not self.tap_layers:
+            return None
+        feeder = self._feeder_index(launch)
+        rows = [
+            r
+            for b, n in enumerate(committed)
+            for r in range(launch.input_starts[feeder[b]], launch.input_starts[feeder[b]] + n)
+        ]
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        return {layer: h.index_select(0, index) for layer, h in launch.out["taps"].items()}
+
+    def _stopped(self, seq: SeqState, token: int) -> bool:
+        """Mark ``seq`` finished if ``token`` (just appended) ends it."""
+        p = seq.params
+        if token in self.eos_token_ids or token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif p.stop:
+            assert self.codec is not None
+            text = self.codec.decode(seq.output)
+            hits = [(i, s) for s in p.stop if (i := text.find(s)) >= 0]
+            if hits:
+                i, s = min(hits)
+                seq.finish_reason, seq.stop_reason, seq.text = "stop", s, text[:i]
+        if seq.finish_reason is None and len(seq.output) >= p.max_tokens:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _finish(self, seq: SeqState) -> Result:
+        self._running.remove(seq)
+        self._free_slots.append(seq.slot)
+        for p in self.proposers.values():
+            p.release(seq)
+        self._finished += 1
+        self._open[seq.request_id] -= 1
+        if not self._open[seq.request_id]:
+            del self._open[seq.request_id]
+        if seq.text is None:
+            seq.text = self.codec.decode(seq.output) if self.codec is not None else ""
+        stats = seq.stats.to_dict()
+        stats["forwards"] = seq.forwards
+        stats["forwards_per_token"] = seq.forwards / max(len(seq.output), 1)
+        return Result(
+            request_id=seq.request_id,
+            index=seq.index,
+            prompt_tokens=seq.prompt,
+            tokens=seq.output,
+            text=seq.text,
+            logprobs=seq.logprobs,
+            policy_logprobs=seq.policy_logprobs,
+            finish_reason=seq.finish_reason or "length",
+            stop_reason=seq.stop_reason,
+            spec=stats,
+            policy_versions=seq.policy_versions,
+        )
+
+    def _learn(self, launch: _Launch, host: dict[str, list]) -> None:
+        """Feed the bandit: one reward per sequence that was allowed to draft."""
+        batch = len(launch.seqs)
+        for b, arm in enumerate(launch.arms):
+            if arm is None or launch.caps[b] <= 0:
+                continue
+            k_used = launch.num_rows[b] - 1
+            self.controller.record(batch, arm, k_used, host["num_accepted"][b] + 1)
+
+    # ---------------------------------------------------------------------- weights, stats
+    def update_weights(
+        self,
+        policy: Mapping[str, torch.Tensor] | None = None,
+        draft: Mapping[str, torch.Tensor] | None = None,
+        version: int | None = None,
+    ) -> None:
+        """Load new policy and/or draft weights in place; ``version`` defaults to previous + 1.
+
+        Raises :class:`~specrl.errors.CheckpointError` when ``policy`` does not match the model
+        and :class:`~specrl.errors.ConfigError` when ``draft`` is given but no proposer has
+        weights.  Arms the stale-draft alarm for every proposer with weights.
+        """
+        if policy is None and draft is None:
+            raise ValueError("update_weights needs policy and/or draft weights")
+        weighted = [p for p in self.proposers.values() if isinstance(p, SupportsWeights)]
+        if draft is not None and not weighted:
+            raise ConfigError(
+                "draft weights given, but no proposer of this engine has weights "
+                f"(proposers: {', '.join(self.proposers) or 'none'})"
+            )
+        if policy is not None:
+            self._load_policy(policy)
+            self.policy_version = version if version is not None else self.policy_version + 1
+        if draft is not None:
+            for p in weighted:
+                p.load_weights(draft)
+            self.draft_version = version if version is not None else self.draft_version + 1
+        self.alarm.arm(
+            [name for name, p in self.proposers.items() if isinstance(p, SupportsWeights)],
+            self.policy_version,
+        )
+
+    def _load_policy(self, state: Mapping[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()
+        tied = self.model.config.tie_word_embeddings
+        expected = set(own) - ({"lm_head.weight"} if tied else set())
+        given = set(state) - ({"lm_head.weight"} if tied else set())
+        missing, unexpected = sorted(expected - given), sorted(given - expected)
+        if missing or unexpected:
+            parts = [f"{len(missing)} missing (e.g. '{missing[0]}')"] if missing else []
+            if unexpected:
+                parts.append(f"{len(unexpected)} unexpected (e.g. '{unexpected[0]}')")
+            raise CheckpointError("policy weights do not match the model: " + ", ".join(parts))
+        for name in sorted(expected):
+            if tuple(state[name].shape) != tuple(own[name].shape):
+                raise CheckpointError(
+                    f"policy weight '{name}' has shape {tuple(state[name].shape)}, the model "
+                    f"needs {tuple(own[name].shape)}"
+                )
+        with torch.no_grad():
+            for name in sorted(expected):
+                own[name].copy_(state[name])
+
+    def stats(self) -> dict[str, Any]:
+        """Aggregated counters since construction (see :mod:`specrl.rollout.metrics`)."""
+        forwards = self._prefill_forwards + self._decode_forwards
+        return {
+            "policy_version": self.policy_version,
+            "draft_version": self.draft_version,
+            "steps": self._steps,
+            "target_forwards": forwards,
+            "prefill_forwards": self._prefill_forwards,
+            "decode_forwards": self._decode_forwards,
+            "tokens": self._tokens,
+            "seconds": self._seconds,
+            "tokens_per_s": self._tokens / self._seconds if self._seconds > 0 else None,
+            "forwards_per_token": forwards / self._tokens if self._tokens else None,
+            "finished": self._finished,
+            "running": len(self._running),
+            "waiting": len(self._waiting),
+            "spec": self._spec.to_dict(),
+            "proposers": {name: s.to_dict() for name, s in self._by_proposer.items()},
+            "gating": self.controller.to_dict(),
+            "alarms": self.alarm.alarms,
+            "alarm_tau": dict(self.alarm.last),
+            "alarm_armed": self.alarm.armed,
+        }

@@ -1,0 +1,160 @@
+"""Speculation metrics: counters per request and per engine, and the stale-draft alarm.
+
+Vocabulary (vLLM v1's, so numbers compare):
+
+- a **verification** is one sequence's part in one decode forward of the target; it emits
+  ``accepted + 1`` tokens (the accepted drafts, then one recovered or bonus token);
+- a **draft** is a verification that carried k ≥ 1 draft tokens; ``draft_tokens`` = Σ k;
+- **τ** (mean acceptance length) = 1 + accepted / drafts: tokens emitted per verification that
+  carried a draft, bonus/recovered token included.  Verifications without a draft (plain steps,
+  or a proposer that found nothing) are left out of τ, so τ = 1 means "drafts never accepted";
+- **acceptance rate** α = accepted / draft_tokens (per drafted token);
+- **per-position acceptance** at position i (1-based) = (drafts whose first i tokens were all
+  accepted) / (drafts with k ≥ i).  With a fixed k this is vLLM's per-position rate.
+- **target forwards per token** = target forwards / tokens emitted (prefill forward included).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("specrl.rollout")
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters (of one request, one proposer, or everything)."""
+
+    verifications: int = 0  # decode verifications (with or without drafts)
+    drafts: int = 0  # verifications with k ≥ 1
+    draft_tokens: int = 0  # Σ k
+    accepted: int = 0  # Σ accepted draft tokens
+    emitted: int = 0  # tokens emitted by verifications (accepted + recovered/bonus)
+    position_drafts: list[int] = field(default_factory=list)  # [i]: drafts with k ≥ i + 1
+    position_accepted: list[int] = field(default_factory=list)  # [i]: first i + 1 all accepted
+    selections: Counter[str] = field(default_factory=Counter)  # proposer name → drafts
+
+    def record(self, k: int, accepted: int, proposer: str | None) -> None:
+        """One verification with k draft tokens of which the first ``accepted`` were kept."""
+        self.verifications += 1
+        self.emitted += accepted + 1
+        if k == 0:
+            return
+        self.drafts += 1
+        self.draft_tokens += k
+        self.accepted += accepted
+        if len(self.position_drafts) < k:
+            grow = k - len(self.position_drafts)
+            self.position_drafts += [0] * grow
+            self.position_accepted += [0] * grow
+        for i in range(k):
+            self.position_drafts[i] += 1
+            self.position_accepted[i] += i < accepted
+        if proposer is not None:
+            self.selections[proposer] += 1
+
+    def merge(self, other: SpecStats) -> None:
+        self.verifications += other.verifications
+        self.drafts += other.drafts
+        self.draft_tokens += other.draft_tokens
+        self.accepted += other.accepted
+        self.emitted += other.emitted
+        n = max(len(self.position_drafts), len(other.position_drafts))
+        for name in ("position_drafts", "position_accepted"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            setattr(
+                self,
+                name,
+                [
+                    (mine[i] if i < len(mine) else 0) + (theirs[i] if i < len(theirs) else 0)
+                    for i in range(n)
+                ],
+            )
+        self.selections.update(other.selections)
+
+    @property
+    def tau(self) -> float | None:
+        """1 + accepted / drafts (None before the first draft)."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def per_position(self) -> list[float]:
+        """Acceptance rate at draft positions 1..K (see module docstring)."""
+        return [
+            a / d for a, d in zip(self.position_accepted, self.position_drafts, strict=True) if d
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "verifications": self.verifications,
+            "drafts": self.drafts,
+            "draft_tokens": self.draft_tokens,
+            "accepted": self.accepted,
+            "emitted": self.emitted,
+            "tau": self.tau,
+            "acceptance_rate": self.acceptance_rate,
+            "per_position": self.per_position,
+            "selections": dict(self.selections),
+        }
+
+
+@dataclass
+class _Window:
+    drafts: int = 0
+    accepted: int = 0
+
+
+class AcceptanceAlarm:
+    """Flags a draft whose τ stays ≈ 1 after a weight update (stale or broken draft weights).
+
+    ``arm()`` after every update; from then on each proposer's drafts are counted in windows of
+    ``window`` drafts.  A window with τ ≤ ``tau_threshold`` raises an alarm (counter + one
+    warning line) and the next window is watched; the first healthy window disarms that proposer.
+    """
+
+    def __init__(self, window: int = 32, tau_threshold: float = 1.05) -> None:
+        self.window = window
+        self.tau_threshold = tau_threshold
+        self.alarms = 0
+        self.last: dict[str, float] = {}  # proposer → τ of its last complete window
+        self._armed: dict[str, _Window] = {}
+        self._version: int | None = None
+
+    def arm(self, proposers: list[str], version: int) -> None:
+        self._armed = {name: _Window() for name in proposers}
+        self._version = version
+
+    @property
+    def armed(self) -> list[str]:
+        return sorted(self._armed)
+
+    def observe(self, proposer: str, drafts: int, accepted: int) -> None:
+        w = self._armed.get(proposer)
+        if w is None or drafts == 0:
+            return
+        w.drafts += drafts
+        w.accepted += accepted
+        if w.drafts < self.window:
+            return
+        tau = 1.0 + w.accepted / w.drafts
+        self.last[proposer] = tau
+        if tau <= self.tau_threshold:
+            self.alarms += 1
+            log.warning(
+                "speculation alarm: proposer %r has tau %.3f over the last %d drafts after weight "
+                "update to version %s; its draft weights look stale or broken",
+                proposer,
+                tau,
+                w.drafts,
+                self._version,
+            )
+            self._armed[proposer] = _Window()
+        else:
+            del self._armed[proposer]

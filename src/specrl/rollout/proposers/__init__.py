@@ -1,0 +1,164 @@
+"""Draft proposers: the protocol every drafter implements, and the registry that builds them.
+
+A proposer turns sequences into draft tokens; the engine verifies them losslessly against the
+target (:mod:`specrl.rollout.verify`), so a proposer can only cost speed, never change outputs.
+
+Life of a sequence, as a proposer sees it (all calls come from the engine thread):
+
+1. ``reset(seq)``: the sequence was admitted to a cache slot (fresh state; ``seq.output`` empty).
+2. ``observe(batch, accepted, taps, committed)``: after **every** target forward that committed
+   KV for the sequences in ``batch`` (their prefill, plain decode steps, and verifications,
+   whichever proposer drafted), after the emitted tokens were appended to ``seq.tokens``.
+   ``committed[b]`` positions of sequence b were fed to the target and kept: the prompt at
+   prefill, else ``accepted[b] + 1`` (the previous last token and the accepted drafts).  They
+   are the positions ``seq.kv_len - committed[b] … seq.kv_len - 1``; the feature at position t
+   predicts token ``seq.tokens[t + 1]``, which is already known.  ``taps[layer]`` holds
+   ``[sum(committed), H]`` detached hidden states of those positions (decoder layer outputs,
+   SpecForge convention), sequences in batch order; ``None`` when no proposer asked for taps.
+3. ``propose(batch, ks)``: draft at most ``ks[b]`` tokens continuing ``batch[b].tokens``.
+4. ``release(seq)``: the sequence finished (its slot is reused); free per-sequence state.
+
+A :class:`Draft` with ``probs=None`` is one-hot (the verifier then needs no q); otherwise
+``probs[i]`` is the full-vocabulary distribution ``tokens[i]`` was sampled from, already
+processed with the request's temperature/top-k/top-p if the proposer samples (the ratio test
+needs the q that was actually used; sample with ``seq.generator`` to stay reproducible).
+
+Proposers are built by name from the registry; third-party or test proposers call
+:func:`register_proposer`.  Built-in modules are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from specrl.errors import ConfigError
+from specrl.models.decoder import Transformer
+from specrl.rollout.metrics import SpecStats
+from specrl.rollout.sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class SeqState:
+    """One sequence (one sample of one request) inside the engine; proposers read it."""
+
+    seq_id: int
+    request_id: str
+    index: int  # sample index within its request (0..n-1): a GRPO group shares request_id
+    tokens: list[int]  # prompt + output so far
+    prompt_len: int
+    params: SamplingParams
+    generator: torch.Generator | None  # None for greedy requests (no randomness consumed)
+    slot: int = -1  # KV-cache slot while running
+    kv_len: int = 0  # target KV entries committed in the slot (len(tokens) − 1 once prefilled)
+    logprobs: list[float] = field(default_factory=list)  # log p under the sampling distribution
+    policy_logprobs: list[float] = field(default_factory=list)  # raw policy, temperature 1
+    finish_reason: str | None = None  # "stop" | "length" once finished
+    stop_reason: int | str | None = None  # stop token id or stop string that ended it
+    text: str | None = None  # decoded output (set when finished, or for stop strings)
+    stats: SpecStats = field(default_factory=SpecStats)
+    forwards: int = 0  # target forwards this sequence took part in (prefill included)
+    policy_versions: tuple[int, int] = (0, 0)  # (first, last) policy version that decoded it
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.tokens[: self.prompt_len]
+
+
+@dataclass
+class Draft:
+    """Draft tokens for one sequence (possibly empty) and the q they were drawn from."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), V] over the target vocabulary; None: one-hot
+
+
+class Proposer(Protocol):
+    """What the engine needs from a drafter (see the module docstring for the call order)."""
+
+    name: str
+    tap_layers: tuple[int, ...]  # target layers whose outputs ``observe`` needs; () if none
+
+    def propose(self, batch: list[SeqState], ks: list[int]) -> list[Draft]: ...
+
+    def observe(
+        self,
+        batch: list[SeqState],
+        accepted: list[int],
+        taps: dict[int, torch.Tensor] | None,
+        committed: list[int],
+    ) -> None: ...
+
+    def reset(self, seq: SeqState) -> None: ...
+
+    def release(self, seq: SeqState) -> None: ...
+
+
+@runtime_checkable
+class SupportsWeights(Protocol):
+    """A proposer with trainable weights (e.g. an EAGLE-3 draft): ``update_weights(draft=…)``."""
+
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
+
+@dataclass
+class ProposerContext:
+    """What a factory may use to build a proposer for one engine."""
+
+    target: Transformer  # the policy (shares its embedding with an EAGLE-3 draft)
+    max_model_len: int  # KV positions per slot
+    num_slots: int  # concurrent sequences
+    seed: int
+
+
+ProposerFactory = Callable[..., Proposer]  # (ctx: ProposerContext, **options) -> Proposer
+
+_REGISTRY: dict[str, ProposerFactory] = {}
+# Built-in proposers register themselves when their module is imported (lazily, on first use).
+_BUILTIN_MODULES: dict[str, str] = {
+    "ngram": "specrl.rollout.proposers.ngram",
+}
+
+
+def register_proposer(name: str, factory: ProposerFactory | None = None, *, replace: bool = False):
+    """Register ``factory(ctx, **options) -> Proposer`` under ``name`` (usable as a decorator)."""
+
+    def add(f: ProposerFactory) -> ProposerFactory:
+        if name in _REGISTRY and not replace and _REGISTRY[name] is not f:
+            raise ValueError(f"proposer {name!r} is already registered")
+        _REGISTRY[name] = f
+        return f
+
+    return add(factory) if factory is not None else add
+
+
+def available_proposers() -> list[str]:
+    return sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
+
+
+def build_proposer(name: str, ctx: ProposerContext, **options: Any) -> Proposer:
+    """The proposer registered as ``name``; unknown names raise ConfigError listing the known."""
+    if name not in _REGISTRY and name in _BUILTIN_MODULES:
+        importlib.import_module(_BUILTIN_MODULES[name])
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise ConfigError(
+            f"unknown proposer {name!r}", hint="choose from " + ", ".join(available_proposers())
+        )
+    try:
+        inspect.signature(factory).bind(ctx, **options)
+    except TypeError as exc:
+        raise ConfigError(f"proposer {name!r}: bad options {sorted(options)} ({exc})") from None
+    proposer = factory(ctx, **options)
+    if proposer.name != name:
+        raise ValueError(f"factory for {name!r} built a proposer named {proposer.name!r}")
+    return proposer

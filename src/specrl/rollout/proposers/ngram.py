@@ -1,0 +1,168 @@
+"""``ngram``: suffix-match drafts from the request itself, its siblings and earlier responses.
+
+The drafter looks for the longest suffix of the sequence (n tokens, from ``max_n`` down to
+``min_n``) that occurred before, and proposes the tokens that followed it.  It searches, in
+this order of preference on equal match length:
+
+1. the sequence's own prompt + output (the most recent earlier occurrence);
+2. the live **siblings**: other running sequences with the same prompt (a GRPO group's n
+   samples, or repeated prompts), whose outputs often share long spans;
+3. the **history** of finished responses to the same prompt, kept across ``generate()`` calls
+   (RL revisits prompts every epoch), bounded per prompt and in number of prompts (LRU).
+
+For 2 and 3 the occurrence nearest to the sequence's own position is preferred (responses to
+one prompt tend to stay aligned).  Drafts are one-hot (``probs=None``): a wrong guess costs one
+verified position, never changes the output.
+
+Index: per token list, the end positions of every ``min_n``-gram; a candidate's match length is
+extended backwards up to ``max_n`` by direct comparison, so memory is one entry per token.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import torch
+
+from specrl.rollout.proposers import Draft, ProposerContext, SeqState, register_proposer
+
+
+class _TokenIndex:
+    """End positions of each ``min_n``-gram of a token list, extended incrementally."""
+
+    def __init__(self, tokens: list[int], min_n: int) -> None:
+        self.tokens = tokens  # the live list of a running sequence, or a finished copy
+        self.min_n = min_n
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+        self.indexed = 0  # n-grams ending before this position are indexed
+
+    def update(self) -> None:
+        """Index n-grams that have at least one following token (end ≤ len − 2)."""
+        toks, n = self.tokens, self.min_n
+        stop = len(toks) - 1
+        for end in range(max(self.indexed, n - 1), stop):
+            self.ends.setdefault(tuple(toks[end - n + 1 : end + 1]), []).append(end)
+        self.indexed = max(self.indexed, stop)
+
+
+def _match_length(a: list[int], a_end: int, b: list[int], max_n: int) -> int:
+    """Length of the common run ending at a[a_end] and at b[-1], capped at ``max_n``."""
+    m, b_end = 0, len(b) - 1
+    while m < max_n and m <= a_end and m <= b_end and a[a_end - m] == b[b_end - m]:
+        m += 1
+    return m
+
+
+@dataclass
+class _Live:
+    index: _TokenIndex
+    key: tuple[int, ...]  # the prompt
+
+
+class NgramProposer:
+    """Longest-suffix-match drafts over own context, siblings and per-prompt history."""
+
+    name = "ngram"
+    tap_layers: tuple[int, ...] = ()
+
+    def __init__(
+        self,
+        *,
+        min_n: int = 2,
+        max_n: int = 8,
+        history_per_prompt: int = 8,
+        history_prompts: int = 1024,
+        max_candidates: int = 16,
+    ) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 ≤ min_n ≤ max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.history_per_prompt = history_per_prompt
+        self.history_prompts = history_prompts
+        self.max_candidates = max_candidates  # most recent occurrences examined per source
+        self._live: dict[int, _Live] = {}
+        self._groups: dict[tuple[int, ...], set[int]] = {}
+        self._history: OrderedDict[tuple[int, ...], deque[_TokenIndex]] = OrderedDict()
+
+    # ------------------------------------------------------------------ lifecycle
+    def reset(self, seq: SeqState) -> None:
+        key = tuple(seq.prompt)
+        self._live[seq.seq_id] = _Live(_TokenIndex(seq.tokens, self.min_n), key)
+        self._groups.setdefault(key, set()).add(seq.seq_id)
+        if key in self._history:
+            self._history.move_to_end(key)
+
+    def release(self, seq: SeqState) -> None:
+        live = self._live.pop(seq.seq_id, None)
+        if live is None:
+            return
+        group = self._groups[live.key]
+        group.discard(seq.seq_id)
+        if not group:
+            del self._groups[live.key]
+        if self.history_per_prompt <= 0 or not seq.output:
+            return
+        done = _TokenIndex(list(seq.tokens), self.min_n)
+        done.update()
+        hist = self._history.get(live.key)
+        if hist is None:
+            hist = self._history[live.key] = deque(maxlen=self.history_per_prompt)
+        hist.append(done)
+        self._history.move_to_end(live.key)
+        while len(self._history) > self.history_prompts:
+            self._history.popitem(last=False)
+
+    def observe(
+        self,
+        batch: list[SeqState],
+        accepted: list[int],
+        taps: dict[int, torch.Tensor] | None,
+        committed: list[int],
+    ) -> None:
+        """Nothing to do: the indexes read the sequences' token lists lazily."""
+
+    # ------------------------------------------------------------------ drafting
+    def propose(self, batch: list[SeqState], ks: list[int]) -> list[Draft]:
+        return [Draft(self._draft(seq, k)) for seq, k in zip(batch, ks, strict=True)]
+
+    def _sources(self, seq: SeqState) -> list[_TokenIndex]:
+        live = self._live[seq.seq_id]
+        siblings = [self._live[s].index for s in sorted(self._groups[live.key]) if s != seq.seq_id]
+        return [live.index, *siblings, *self._history.get(live.key, ())]
+
+    def _draft(self, seq: SeqState, k: int) -> list[int]:
+        toks = seq.tokens
+        if k <= 0 or len(toks) < self.min_n:
+            return []
+        key = tuple(toks[-self.min_n :])
+        here = len(toks) - 1
+        best: tuple[int, int, _TokenIndex, int] | None = None  # (length, −distance, src, end)
+        for rank, src in enumerate(self._sources(seq)):
+            src.update()
+            ends = src.ends.get(key)
+            if not ends:
+                continue
+            for end in ends[-self.max_candidates :]:
+                m = _match_length(src.tokens, end, toks, self.max_n)
+                # own context (rank 0): prefer the most recent; others: the aligned occurrence
+                closeness = end if rank == 0 else -abs(end - here)
+                # longer match wins; on a tie the earlier source keeps it, within a source the
+                # closer/more recent occurrence
+                if (
+                    best is None
+                    or m > best[0]
+                    or (m == best[0] and best[2] is src and closeness > best[1])
+                ):
+                    best = (m, closeness, src, end)
+            if best is not None and best[0] == self.max_n:
+                break
+        if best is None:
+            return []
+        _, _, src, end = best
+        return src.tokens[end + 1 : end + 1 + k]
+
+
+@register_proposer("ngram")
+def _build(ctx: ProposerContext, **options) -> NgramProposer:
+    return NgramProposer(**options)

@@ -1,0 +1,537 @@
+"""OpenAI-compatible HTTP server over one :class:`~specrl.rollout.engine.RolloutEngine`.
+
+Endpoints:
+
+- ``POST /v1/completions``: OpenAI's completions API (``prompt`` string or list of strings,
+  ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` (vLLM's extension; 0 or −1 is off),
+  ``n``, ``stop``, ``seed``, ``logprobs``).  ``logprobs: 0`` returns ``token_logprobs`` under the
+  sampling distribution actually used and, as an extension, ``policy_token_logprobs`` (raw
+  policy at temperature 1; what RL importance ratios need).  Top alternatives are not computed,
+  so ``logprobs`` > 0 is refused.  Each choice also carries ``spec`` (its speculation stats).
+- ``GET /health``: liveness plus policy/draft versions and queue sizes.
+- ``GET /metrics``: Prometheus text format (engine counters, τ, per-position acceptance…).
+- ``POST /v1/weights``: ``{"path": file.safetensors, "target": "policy"|"draft", "version"}``
+  loads weights from the server's own disk, guarded by a bearer token; refused (403) when the
+  server was started without one.
+
+Concurrency: one :class:`EngineWorker` thread owns the engine.  Handlers put requests on its
+queue and await a future; the worker admits everything queued between two steps, so requests
+of many clients share one continuous batch.  Weight updates run between steps.
+
+Bounds: request body bytes (413), prompts per request, prompt tokens, ``max_tokens``, ``n`` and
+stop strings (400, with a message naming the field).  Errors use OpenAI's error object.
+Shutdown: uvicorn stops accepting on SIGINT/SIGTERM and lets in-flight requests finish; then the
+lifespan hook stops the worker after it drained its queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from specrl.errors import SpecrlError
+from specrl.models.checkpoint import read_safetensors
+from specrl.models.tokenizer import TextCodec
+from specrl.rollout.engine import Request, Result, RolloutEngine
+from specrl.rollout.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Per-request bounds (the engine's max_model_len bounds prompt + max_tokens as well)."""
+
+    max_body_bytes: int = 1 << 20
+    max_prompts: int = 64  # prompts in one request
+    max_prompt_tokens: int = 4096
+    max_tokens: int = 4096
+    max_n: int = 16
+    max_stop: int = 4  # stop strings (OpenAI's limit)
+
+
+class ApiError(Exception):
+    """A client error rendered as OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+# ---------------------------------------------------------------------------- engine worker
+class _Job:
+    """Futures of one HTTP call waiting for the worker (results, or a weight update)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.future: asyncio.Future = loop.create_future()
+        self.results: list[Result] = []
+        self.pending = 0
+
+    def resolve(self, value: Any = None, error: BaseException | None = None) -> None:
+        def settle() -> None:
+            if self.future.done():  # the client went away
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(value)
+
+        self.loop.call_soon_threadsafe(settle)
+
+
+class EngineWorker:
+    """Owns the engine in one thread; requests of many clients join its continuous batch."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[str, Any, _Job | None]] = queue.SimpleQueue()
+        self._jobs: dict[str, _Job] = {}  # request id → job
+        self._lock = threading.Lock()  # engine state, for stats() from other threads
+        self._thread = threading.Thread(target=self._loop, name="specrl-engine", daemon=True)
+        self._next = 0
+        self.failure: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish everything queued, then end the thread."""
+        if self._thread.is_alive():
+            self._inbox.put(("stop", None, None))
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.failure is None
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return self.engine.stats()
+
+    async def generate(self, requests: list[Request]) -> list[Result]:
+        """Results of all samples of ``requests`` (request-major, then sample index)."""
+        job = _Job(asyncio.get_running_loop())
+        self._inbox.put(("generate", requests, job))
+        return await job.future
+
+    async def update_weights(self, **kwargs: Any) -> None:
+        job = _Job(asyncio.get_running_loop())
+        self._inbox.put(("weights", kwargs, job))
+        await job.future
+
+    def _loop(self) -> None:
+        stopping = False
+        while True:
+            busy = self.engine.has_unfinished()
+            if not busy and stopping:
+                return
+            try:
+                item = self._inbox.get(block=not busy)
+            except queue.Empty:
+                item = None
+            while item is not None:
+                stopping |= self._handle(*item)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                with self._lock:
+                    finished = self.engine.step()
+            except Exception as exc:  # a bug: fail every waiting client, stop serving
+                self.failure = exc
+                for job in {id(j): j for j in self._jobs.values()}.values():
+                    job.resolve(error=exc)
+                self._jobs.clear()
+                return
+            for r in finished:
+                self._deliver(r)
+
+    def _handle(self, kind: str, payload: Any, job: _Job | None) -> bool:
+        """Apply one inbox item; True for the stop sentinel."""
+        if kind == "stop":
+            return True
+        assert job is not None
+        try:
+            with self._lock:
+                if kind == "weights":
+                    self.engine.update_weights(**payload)
+                    job.resolve(None)
+                    return False
+                for r in payload:
+                    r.request_id = f"srv-{self._next}"
+                    self._next += 1
+                ids = self.engine.add_requests(payload)
+        except (ValueError, SpecrlError) as exc:
+            job.resolve(error=exc)
+            return False
+        job.pending = sum(r.params.n for r in payload)
+        for rid in ids:
+            self._jobs[rid] = job
+        return False
+
+    def _deliver(self, result: Result) -> None:
+        job = self._jobs[result.request_id]
+        job.results.append(result)
+        job.pending -= 1
+        if job.pending == 0:
+            order = {rid: i for i, rid in enumerate(self._jobs)}
+            job.results.sort(key=lambda r: (order[r.request_id], r.index))
+            for r in job.results:
+                self._jobs.pop(r.request_id, None)
+            job.resolve(job.results)
+
+
+# ---------------------------------------------------------------------------- parsing
+async def read_json(request: HttpRequest, max_bytes: int) -> dict[str, Any]:
+    """The JSON object of a request body, read with a byte cap (413) and parsed (400)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"request body of {declared} bytes exceeds the {max_bytes}-byte limit")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise ApiError(413, f"request body exceeds the {max_bytes}-byte limit")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"malformed JSON body: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return data
+
+
+def _int(body: dict, name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(name, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(400, f"'{name}' must be an integer", name)
+    if v < lo or (hi is not None and v > hi):
+        bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+        raise ApiError(400, f"'{name}' must be {bound}, got {v}", name)
+    return v
+
+
+def _float(body: dict, name: str, default: float, lo: float, hi: float, lo_open=False) -> float:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ApiError(400, f"'{name}' must be a number", name)
+    if v < lo or v > hi or (lo_open and v == lo):
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise ApiError(400, f"'{name}' must be in {interval}, got {v}", name)
+    return float(v)
+
+
+def parse_completion(
+    body: dict[str, Any], codec: TextCodec, limits: ServerLimits, max_model_len: int
+) -> tuple[list[Request], list[int]]:
+    """Engine requests (one per prompt) and prompt token counts from a completions body."""
+    if body.get("stream"):
+        raise ApiError(400, "streaming is not supported", "stream")
+    if body.get("echo"):
+        raise ApiError(400, "echo is not supported", "echo")
+    prompt = body.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ApiError(400, "'prompt' must be a string or a non-empty list of strings", "prompt")
+    if len(prompts) > limits.max_prompts:
+        raise ApiError(400, f"at most {limits.max_prompts} prompts per request", "prompt")
+    max_tokens = _int(body, "max_tokens", 16, 1, limits.max_tokens)
+    n = _int(body, "n", 1, 1, limits.max_n)
+    top_k = _int(body, "top_k", 0, -1)
+    seed = _int(body, "seed", None, -(2**63))
+    logprobs = _int(body, "logprobs", None, 0)
+    if logprobs:
+        raise ApiError(
+            400,
+            "only logprobs=0 is supported (sampled-token logprobs, no alternatives)",
+            "logprobs",
+        )
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of them", "stop")
+    if len(stops) > limits.max_stop:
+        raise ApiError(400, f"at most {limits.max_stop} stop strings", "stop")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_float(body, "temperature", 1.0, 0.0, 100.0),
+        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=max(top_k, 0),
+        seed=seed,
+        n=n,
+        stop=tuple(stops),
+    )
+    requests, counts = [], []
+    for i, text in enumerate(prompts):
+        ids = codec.encode_prompt(text)
+        if not ids:
+            raise ApiError(400, f"prompt {i} is empty", "prompt")
+        if len(ids) > limits.max_prompt_tokens:
+            raise ApiError(
+                400,
+                f"prompt {i} has {len(ids)} tokens; the limit is {limits.max_prompt_tokens}",
+                "prompt",
+            )
+        if len(ids) + max_tokens > max_model_len:
+            raise ApiError(
+                400,
+                f"prompt {i} ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model "
+                f"length {max_model_len}",
+                "max_tokens",
+            )
+        requests.append(Request(ids, params))
+        counts.append(len(ids))
+    return requests, counts
+
+
+def completion_response(
+    results: list[Result],
+    prompt_tokens: list[int],
+    codec: TextCodec,
+    model_name: str,
+    want_logprobs: bool,
+) -> dict[str, Any]:
+    choices = []
+    for i, r in enumerate(results):
+        choice: dict[str, Any] = {
+            "index": i,
+            "text": r.text,
+            "logprobs": None,
+            "finish_reason": r.finish_reason,
+            "stop_reason": r.stop_reason,
+            "spec": r.spec,
+        }
+        if want_logprobs:
+            pieces = [codec.decode([t]) for t in r.tokens]
+            offsets, pos = [], 0
+            for piece in pieces:
+                offsets.append(pos)
+                pos += len(piece)
+            choice["logprobs"] = {
+                "tokens": pieces,
+                "token_logprobs": r.logprobs,
+                "policy_token_logprobs": r.policy_logprobs,
+                "top_logprobs": None,
+                "text_offset": offsets,
+            }
+        choices.append(choice)
+    completion = sum(len(r.tokens) for r in results)
+    prompt = sum(prompt_tokens)
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
+    }
+
+
+# ---------------------------------------------------------------------------- metrics text
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_text(stats: dict[str, Any]) -> str:
+    """Engine stats in the Prometheus text exposition format (version 0.0.4)."""
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[dict[str, str], Any]]):
+        lines.append(f"# HELP specrl_{name} {help_}")
+        lines.append(f"# TYPE specrl_{name} {kind}")
+        for labels, value in samples:
+            if value is None:
+                continue
+            tag = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
+            lines.append(
+                f"specrl_{name}{{{tag}}} {float(value)!r}"
+                if tag
+                else f"specrl_{name} {float(value)!r}"
+            )
+
+    spec, gate = stats["spec"], stats["gating"]
+    metric("tokens_total", "counter", "Tokens emitted.", [({}, stats["tokens"])])
+    metric("steps_total", "counter", "Engine steps.", [({}, stats["steps"])])
+    metric(
+        "target_forwards_total",
+        "counter",
+        "Target model forwards.",
+        [
+            ({"kind": "prefill"}, stats["prefill_forwards"]),
+            ({"kind": "decode"}, stats["decode_forwards"]),
+        ],
+    )
+    metric(
+        "busy_seconds_total", "counter", "Seconds spent in engine steps.", [({}, stats["seconds"])]
+    )
+    metric("sequences_finished_total", "counter", "Finished samples.", [({}, stats["finished"])])
+    metric("sequences_running", "gauge", "Samples in KV-cache slots.", [({}, stats["running"])])
+    metric("sequences_waiting", "gauge", "Samples waiting for a slot.", [({}, stats["waiting"])])
+    metric(
+        "spec_drafts_total",
+        "counter",
+        "Verifications that carried a draft.",
+        [({}, spec["drafts"])],
+    )
+    metric(
+        "spec_draft_tokens_total", "counter", "Draft tokens verified.", [({}, spec["draft_tokens"])]
+    )
+    metric(
+        "spec_accepted_tokens_total", "counter", "Draft tokens accepted.", [({}, spec["accepted"])]
+    )
+    metric("spec_tau", "gauge", "Mean acceptance length 1 + accepted/drafts.", [({}, spec["tau"])])
+    metric(
+        "spec_position_acceptance",
+        "gauge",
+        "Acceptance rate at each draft position.",
+        [({"position": str(i + 1)}, v) for i, v in enumerate(spec["per_position"])],
+    )
+    metric(
+        "spec_proposer_drafts_total",
+        "counter",
+        "Drafts per proposer.",
+        [({"proposer": k}, v) for k, v in sorted(spec["selections"].items())],
+    )
+    metric(
+        "spec_gate_on",
+        "gauge",
+        "1 while the batch-size gate allows speculation.",
+        [({}, gate["gate_on"])],
+    )
+    metric(
+        "spec_gate_switches_total", "counter", "Gate state changes.", [({}, gate["gate_switches"])]
+    )
+    metric(
+        "spec_alarms_total",
+        "counter",
+        "Stale-draft alarms (τ ≈ 1 after a weight update).",
+        [({}, stats["alarms"])],
+    )
+    metric("policy_version", "gauge", "Policy weights version.", [({}, stats["policy_version"])])
+    metric("draft_version", "gauge", "Draft weights version.", [({}, stats["draft_version"])])
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- the app
+def create_app(
+    worker: EngineWorker,
+    codec: TextCodec,
+    *,
+    model_name: str = "specrl",
+    limits: ServerLimits | None = None,
+    update_token: str | None = None,
+    on_shutdown: Callable[[], None] | None = None,
+) -> FastAPI:
+    """The FastAPI app; its lifespan starts the worker and stops it after the last request."""
+    limits = limits or ServerLimits()
+    engine = worker.engine
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        worker.start()
+        yield
+        await run_in_threadpool(worker.stop)
+        if on_shutdown is not None:
+            on_shutdown()
+
+    app = FastAPI(title="specrl rollout server", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: HttpRequest, exc: ApiError) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        body = {"error": {"message": exc.message, "type": kind, "param": exc.param, "code": None}}
+        return JSONResponse(body, status_code=exc.status)
+
+    @app.post("/v1/completions")
+    async def completions(request: HttpRequest) -> JSONResponse:
+        body = await read_json(request, limits.max_body_bytes)
+        requests, counts = parse_completion(body, codec, limits, engine.max_model_len)
+        if not worker.alive:
+            raise ApiError(503, "the engine is not running")
+        try:
+            results = await worker.generate(requests)
+        except (ValueError, SpecrlError) as exc:
+            raise ApiError(400, str(exc)) from None
+        name = body.get("model") if isinstance(body.get("model"), str) else model_name
+        want = body.get("logprobs") is not None
+        return JSONResponse(completion_response(results, counts, codec, name, want))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        stats = worker.snapshot()
+        body = {
+            "status": "ok" if worker.alive else "failed",
+            "policy_version": stats["policy_version"],
+            "draft_version": stats["draft_version"],
+            "running": stats["running"],
+            "waiting": stats["waiting"],
+        }
+        return JSONResponse(body, status_code=200 if worker.alive else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(
+            prometheus_text(worker.snapshot()), media_type="text/plain; version=0.0.4"
+        )
+
+    @app.post("/v1/weights")
+    async def weights(request: HttpRequest) -> JSONResponse:
+        if update_token is None:
+            raise ApiError(
+                403,
+                "weight updates are disabled: start the server with --update-token-file FILE "
+                "or SPECRL_UPDATE_TOKEN set",
+            )
+        given = request.headers.get("authorization", "")
+        expected = f"Bearer {update_token}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise ApiError(401, "missing or wrong bearer token")
+        body = await read_json(request, limits.max_body_bytes)
+        path = body.get("path")
+        if not isinstance(path, str) or not Path(path).is_file():
+            raise ApiError(400, "'path' must name a safetensors file on the server", "path")
+        target = body.get("target", "policy")
+        if target not in ("policy", "draft"):
+            raise ApiError(400, "'target' must be 'policy' or 'draft'", "target")
+        version = _int(body, "version", None, 0)
+        try:
+            state = await run_in_threadpool(read_safetensors, [Path(path)])
+            await worker.update_weights(**{target: state}, version=version)
+        except SpecrlError as exc:
+            raise ApiError(400, exc.message) from None
+        stats = worker.snapshot()
+        return JSONResponse(
+            {
+                "status": "ok",
+                "policy_version": stats["policy_version"],
+                "draft_version": stats["draft_version"],
+            }
+        )
+
+    return app
