@@ -28,7 +28,7 @@ from specrl.models.checkpoint import save_model
 from specrl.models.decoder import Transformer
 from specrl.models.presets import preset_config
 from specrl.models.tokenizer import TextCodec, char_tokenizer, special_ids
-from specrl.rl.tasks import Problem, Task, build_task
+from specrl.rl.tasks import Problem, Task, task_from_config
 from specrl.train.evaluate import evaluate
 from specrl.train.metrics import MetricsWriter
 
@@ -45,17 +45,7 @@ class WarmstartResult:
 
 
 def task_from_recipe(recipe: Recipe) -> Task:
-    t = recipe.task
-    return build_task(
-        t.name,
-        min_digits=t.min_digits,
-        max_digits=t.max_digits,
-        path=t.path,
-        verifier=t.verifier,
-        pattern=t.pattern,
-        prompt_field=t.prompt_field,
-        answer_field=t.answer_field,
-    )
+    return task_from_config(recipe.task)
 
 
 def eval_problems(recipe: Recipe, task: Task) -> list[Problem]:
