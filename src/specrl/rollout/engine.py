@@ -117,7 +117,7 @@ class SpecConfig:
     proposer_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     gate: bool = True  # batch-size gate from the online cost model (False: always speculate)
     epsilon: float = 0.1  # bandit exploration rate
-    hysteresis: float = 0.1  # gate switches off below 1 − h and on above 1 + h expected speedup
+    hysteresis: float = 0.1  # gate: off below expected speedup 1, on again above 1 + h
     probe: float = 0.05  # probability of a speculative step while the gate is off
     cost_window: int = 256  # decode steps in the cost model's least-squares fit
     alarm_window: int = 32  # drafts per window of the stale-draft alarm
@@ -245,13 +245,16 @@ class RolloutEngine:
         """Decode every request to completion; results request-major, then by sample index.
 
         The engine must be idle (no requests queued through :meth:`add_requests`).
-        ``progress(done, total)`` is called after each step that finished samples.
+        ``progress(done, total)`` is called once the requests are validated and queued, then
+        after each step that finished samples.
         """
         if self.has_unfinished():
             raise RuntimeError("generate() needs an idle engine; drain add_requests() work first")
         seqs = [s for group in self._make_all(requests) for s in group]
         order = {(s.request_id, s.index): i for i, s in enumerate(seqs)}
         self._waiting.extend(seqs)
+        if progress is not None:
+            progress(0, len(seqs))
         results: list[Result | None] = [None] * len(seqs)
         done = 0
         while self.has_unfinished():

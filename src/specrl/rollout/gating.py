@@ -15,8 +15,8 @@ small pieces decide, all online, all deterministic given a seed and the measured
   wins in the latency-bound tail and a short one (or none, via the gate) in a full batch.
 - :class:`SpeculationGate`: speculation on or off for the whole step, from the expected
   speedup S(B) = max over arms of τ̂·t(B) / t(B·(k̂+1)) (τ̂ tokens per verification, k̂ + 1 tokens
-  fed, both running means per arm) with hysteresis: off below 1 − h, on above 1 + h.  While off
-  it still probes speculation with probability ``probe`` so its estimates stay fresh.
+  fed, both running means per arm) with hysteresis: off below 1, on again above 1 + h.  While
+  off it still probes speculation with probability ``probe`` so its estimates stay fresh.
 
 :class:`SpecController` ties them together for the engine.
 """
@@ -140,7 +140,12 @@ class EpsilonGreedy:
 
 
 class SpeculationGate:
-    """On/off with hysteresis around an expected speedup of 1, plus occasional probes."""
+    """On/off from the expected speedup with hysteresis, plus occasional probes while off.
+
+    Off as soon as speculation is expected to lose (speedup < 1): a neutral drafter (one that
+    rarely finds a draft) must not keep a full batch speculating.  On again only for a clear
+    win (speedup > 1 + h), so a batch size near the break-even point does not flap.
+    """
 
     def __init__(self, hysteresis: float = 0.1, probe: float = 0.05, seed: int = 0) -> None:
         self.hysteresis = hysteresis
@@ -151,7 +156,7 @@ class SpeculationGate:
 
     def decide(self, speedup: float) -> bool:
         """Update the state from ``speedup`` and say whether this step speculates."""
-        if self.on and speedup < 1 - self.hysteresis:
+        if self.on and speedup < 1:
             self.on, self.switches = False, self.switches + 1
         elif not self.on and speedup > 1 + self.hysteresis:
             self.on, self.switches = True, self.switches + 1

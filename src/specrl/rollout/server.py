@@ -491,6 +491,7 @@ def create_app(
             "draft_version": stats["draft_version"],
             "running": stats["running"],
             "waiting": stats["waiting"],
+            "finished": stats["finished"],
         }
         return JSONResponse(body, status_code=200 if worker.alive else 503)
 

@@ -1,0 +1,251 @@
+"""``specrl rollout``: speculative generation for a JSONL prompt file, and ``rollout serve``.
+
+``specrl rollout --target DIR --prompts FILE --out FILE`` reads one JSON object per line
+(``"prompt"`` required; ``"id"``, default the line number, and ``"answer"`` optional and copied
+through), generates ``n`` samples per prompt with the embedded engine and writes one JSON object
+per sample to ``--out`` (atomically).  Progress goes to stderr, a summary (or ``--json``) to
+stdout.  A bad input line is one ``Error: FILE:LINE: …`` and exit code 1.
+
+``specrl rollout serve --target DIR`` serves the same engine over an OpenAI-compatible HTTP API
+(:mod:`specrl.rollout.server`), on 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from specrl.cli.common import progress_bar
+from specrl.cli.ui import JsonOpt, emit_json, err, kv_table, out, want_json
+
+app = typer.Typer(
+    help="Speculative rollouts: generate for a prompt file, or serve over HTTP.",
+    no_args_is_help=False,
+    rich_markup_mode="rich",
+)
+
+TargetOpt = Annotated[
+    Optional[Path], typer.Option("--target", help="HF-format checkpoint dir of the target/policy.")
+]
+ProposersOpt = Annotated[
+    str,
+    typer.Option(
+        "--proposers", help="Comma-separated drafters the bandit picks from; 'none' = plain."
+    ),
+]
+KOpt = Annotated[int, typer.Option("--k", min=1, help="Longest draft (tokens per verification).")]
+BatchOpt = Annotated[
+    int, typer.Option("--batch-size", min=1, help="Concurrent sequences (KV-cache slots).")
+]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the engine (sampling, bandit).")]
+
+
+def build_engine(target: Path, proposers: str, k: int, batch_size: int, device: str, seed: int):
+    """Load the checkpoint and its tokenizer and build a :class:`RolloutEngine`."""
+    from specrl.core.runtime import pick_device
+    from specrl.errors import CheckpointError
+    from specrl.models.checkpoint import load_model, load_tokenizer
+    from specrl.models.tokenizer import TextCodec
+    from specrl.rollout import RolloutEngine, SpecConfig
+
+    model = load_model(target, device=pick_device(device))
+    tok = load_tokenizer(target)
+    if tok is None:
+        raise CheckpointError(
+            f"'{target}' has no tokenizer.json", hint="rollouts encode text prompts with it"
+        )
+    codec = TextCodec(tok, model.config.bos_token_id, model.config.eos_token_id)
+    names = tuple(p.strip() for p in proposers.split(",") if p.strip())
+    spec = None if names in ((), ("none",)) else SpecConfig(proposers=names, max_k=k)
+    engine = RolloutEngine(model, codec=codec, max_batch_size=batch_size, spec=spec, seed=seed)
+    return engine, codec
+
+
+def read_prompts(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, record) of a prompt JSONL file; a bad line raises DataError FILE:LINE."""
+    from specrl.errors import DataError
+
+    if not path.is_file():
+        raise DataError(f"prompt file '{path}' does not exist")
+    records = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where}: malformed JSON ({exc.msg})") from None
+            if not isinstance(rec, dict):
+                raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            if not isinstance(rec.get("prompt"), str) or not rec["prompt"]:
+                raise DataError(f"{where}: needs a non-empty string field 'prompt'")
+            if "id" in rec and not isinstance(rec["id"], (str, int)):
+                raise DataError(f"{where}: field 'id' must be a string or an integer")
+            records.append((lineno, rec))
+    if not records:
+        raise DataError(f"{path}: no prompts")
+    return records
+
+
+def write_jsonl_atomic(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write ``rows`` to a temporary file next to ``path``, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("w", encoding="utf-8") as fh:
+            for row in rows:
+                fh.write(json.dumps(row) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@app.callback(invoke_without_command=True)
+def rollout_command(
+    ctx: typer.Context,
+    target: TargetOpt = None,
+    prompts: Annotated[
+        Optional[Path], typer.Option("--prompts", help="JSONL file of {'prompt': …} objects.")
+    ] = None,
+    out_file: Annotated[
+        Optional[Path], typer.Option("--out", help="JSONL file of samples (written atomically).")
+    ] = None,
+    n: Annotated[int, typer.Option("--n", min=1, help="Samples per prompt.")] = 1,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens per sample.")] = 64,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 1.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus mass in (0, 1].")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, help="0 = off.")] = 0,
+    seed: SeedOpt = 0,
+    proposers: ProposersOpt = "ngram",
+    k: KOpt = 4,
+    batch_size: BatchOpt = 16,
+    device: DeviceOpt = "auto",
+    json_out: JsonOpt = False,
+) -> None:
+    """Generate n samples per prompt of a JSONL file with speculative decoding."""
+    if ctx.invoked_subcommand is not None:
+        return
+    for flag, value in (("--target", target), ("--prompts", prompts), ("--out", out_file)):
+        if value is None:
+            ctx.fail(f"Missing option '{flag}'.")
+    assert target is not None and prompts is not None and out_file is not None
+    if not 0 < top_p <= 1:
+        raise typer.BadParameter("must be in (0, 1]", param_hint="'--top-p'")
+    from specrl.errors import DataError
+    from specrl.rollout import Request, SamplingParams
+
+    records = read_prompts(prompts)
+    engine, _ = build_engine(target, proposers, k, batch_size, device, seed)
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n
+    )
+    by_id = {f"{prompts}:{lineno}": (lineno, rec) for lineno, rec in records}
+    requests = [Request(rec["prompt"], params, request_id=rid) for rid, (_, rec) in by_id.items()]
+    with ExitStack() as stack:
+        bar = []  # opened at the first report, i.e. after the engine accepted every request
+
+        def report(done: int, total: int) -> None:
+            if not bar:
+                bar.append(stack.enter_context(progress_bar("rollout", total)))
+            bar[0](done, total, _tau_info(engine.stats()["spec"]["tau"]))
+
+        try:
+            results = engine.generate(requests, progress=report)
+        except ValueError as exc:  # a request the engine cannot take; the message names FILE:LINE
+            raise DataError(str(exc)) from None
+    rows = []
+    for r in results:
+        lineno, rec = by_id[r.request_id]
+        row: dict[str, Any] = {"id": rec.get("id", lineno), "prompt": rec["prompt"]}
+        if "answer" in rec:
+            row["answer"] = rec["answer"]
+        row.update((key, v) for key, v in r.to_dict().items() if key != "id")
+        rows.append(row)
+    write_jsonl_atomic(out_file, rows)
+    stats = engine.stats()
+    spec, gating = stats["spec"], stats["gating"]
+    summary = {
+        "out": str(out_file),
+        "prompts": len(records),
+        "samples": len(results),
+        "tokens": stats["tokens"],
+        "seconds": round(stats["seconds"], 3),
+        "tokens_per_s": stats["tokens_per_s"],
+        "tau": spec["tau"],
+        "acceptance_rate": spec["acceptance_rate"],
+        "per_position_acceptance": [round(x, 3) for x in spec["per_position"]],
+        "forwards_per_token": stats["forwards_per_token"],
+        "spec_steps": gating["spec_steps"],
+        "plain_steps": gating["plain_steps"],
+        "selections": gating["selections"],
+    }
+    if want_json(json_out):
+        emit_json(summary)
+    else:
+        out.print(kv_table("rollout", summary))
+
+
+def _tau_info(tau: float | None) -> str:
+    return f"τ {tau:.2f}" if tau is not None else ""
+
+
+@app.command("serve")
+def serve_command(
+    target: TargetOpt = None,
+    host: Annotated[str, typer.Option("--host", help="Bind address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port.")] = 8000,
+    update_token_file: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--update-token-file",
+            help="File holding the bearer token for POST /v1/weights (else env "
+            "SPECRL_UPDATE_TOKEN; neither: weight updates are refused).",
+        ),
+    ] = None,
+    proposers: ProposersOpt = "ngram",
+    k: KOpt = 4,
+    batch_size: BatchOpt = 16,
+    max_n: Annotated[int, typer.Option("--max-n", min=1, help="Largest n per request.")] = 16,
+    max_body_bytes: Annotated[
+        int, typer.Option("--max-body-bytes", min=1, help="Largest request body.")
+    ] = 1 << 20,
+    device: DeviceOpt = "auto",
+    seed: SeedOpt = 0,
+) -> None:
+    """Serve the engine over an OpenAI-compatible HTTP API (completions, health, metrics)."""
+    if target is None:
+        raise typer.BadParameter("is required", param_hint="'--target'")
+    import uvicorn
+
+    from specrl.errors import ConfigError
+    from specrl.rollout.server import EngineWorker, ServerLimits, create_app
+
+    token = None
+    if update_token_file is not None:
+        if not update_token_file.is_file():
+            raise ConfigError(f"token file '{update_token_file}' does not exist")
+        token = update_token_file.read_text(encoding="utf-8").strip()
+        if not token:
+            raise ConfigError(f"token file '{update_token_file}' is empty")
+    elif os.environ.get("SPECRL_UPDATE_TOKEN"):
+        token = os.environ["SPECRL_UPDATE_TOKEN"].strip()
+    engine, codec = build_engine(target, proposers, k, batch_size, device, seed)
+    limits = ServerLimits(
+        max_body_bytes=max_body_bytes,
+        max_prompt_tokens=engine.max_model_len - 1,
+        max_tokens=engine.max_model_len - 1,
+        max_n=max_n,
+    )
+    worker = EngineWorker(engine)
+    api = create_app(worker, codec, model_name=target.name, limits=limits, update_token=token)
+    updates = "enabled" if token else "disabled"
+    err.print(f"serving {target} on http://{host}:{port} (weight updates {updates})")
+    uvicorn.Server(uvicorn.Config(api, host=host, port=port, log_level="info")).run()

@@ -1,0 +1,263 @@
+"""Cost model, bandit and batch-size gate; the engine under injected (virtual) timings.
+
+No wall-clock time is asserted: timings are synthetic, either fed to the controller directly or
+produced by a virtual clock that a forward hook advances by a + b·tokens per target forward.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from specrl.models.decoder import Transformer
+from specrl.models.generate import generate
+from specrl.models.presets import preset_config
+from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
+from specrl.rollout.gating import (
+    Arm,
+    CostModel,
+    EpsilonGreedy,
+    SpecController,
+    SpeculationGate,
+    batch_bucket,
+    k_choices,
+)
+from specrl.rollout.proposers import Draft, register_proposer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------- pieces
+def test_cost_model_fits_intercept_and_slope():
+    cm = CostModel(window=64)
+    assert cm.coefficients() == (1.0, 0.0)  # nothing measured: flat
+    for t in (4, 8, 16, 32, 64):
+        cm.observe(t, 0.002 + 0.0005 * t)
+    a, b = cm.coefficients()
+    assert a == pytest.approx(0.002) and b == pytest.approx(0.0005)
+    assert cm.predict(100) == pytest.approx(0.052)
+
+
+def test_cost_model_degenerate_data_stays_sane():
+    flat = CostModel()
+    for _ in range(5):
+        flat.observe(16, 0.01)
+    assert flat.coefficients() == pytest.approx((0.01, 0.0))  # no spread in T: flat
+    falling = CostModel()
+    for t, s in ((1, 0.5), (2, 0.4), (3, 0.3)):
+        falling.observe(t, s)
+    assert falling.coefficients()[1] == 0.0  # never a negative slope
+    origin = CostModel()
+    for t, s in ((10, 0.1), (20, 0.3), (30, 0.5)):
+        origin.observe(t, s)
+    a, b = origin.coefficients()
+    assert a == 0.0 and b > 0  # never a negative intercept
+    window = CostModel(window=3)
+    for t in range(10):
+        window.observe(t, 1.0 if t < 7 else 2.0 * t)
+    assert window.num_observations == 3
+
+
+def test_k_choices_and_buckets():
+    assert k_choices(1) == (1,)
+    assert k_choices(4) == (1, 2, 4)
+    assert k_choices(6) == (1, 2, 4, 6)
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 7, 8, 64)] == [0, 1, 1, 2, 2, 3, 6]
+    with pytest.raises(ValueError):
+        k_choices(0)
+
+
+def test_bandit_tries_every_arm_then_exploits_per_bucket():
+    arms = [Arm("a", 1), Arm("a", 4), Arm("b", 2)]
+    bandit = EpsilonGreedy(arms, epsilon=0.1, seed=0)
+    assert [bandit.choose(0) for _ in range(2)] == [arms[0], arms[0]]  # untried first, in order
+    rng = random.Random(1)
+    means = {
+        0: {arms[0]: 1.0, arms[1]: 3.0, arms[2]: 2.0},
+        5: {arms[0]: 3.0, arms[1]: 1.0, arms[2]: 2.0},
+    }
+    picks = {0: [], 5: []}
+    for _ in range(600):
+        for bucket in (0, 5):
+            arm = bandit.choose(bucket)
+            picks[bucket].append(arm)
+            bandit.update(bucket, arm, means[bucket][arm] + rng.gauss(0, 0.3))
+    assert picks[0][-200:].count(arms[1]) > 170  # best arm of bucket 0, ε = 0.1
+    assert picks[5][-200:].count(arms[0]) > 170  # a different best arm in bucket 5
+    again = EpsilonGreedy(arms, epsilon=0.1, seed=0)
+    rng = random.Random(1)
+    replay = []
+    for _ in range(600):
+        for bucket in (0, 5):
+            arm = again.choose(bucket)
+            replay.append(arm)
+            again.update(bucket, arm, means[bucket][arm] + rng.gauss(0, 0.3))
+    assert replay == [x for pair in zip(picks[0], picks[5], strict=True) for x in pair]
+
+
+def test_gate_hysteresis():
+    gate = SpeculationGate(hysteresis=0.1, probe=0.0)
+    decisions = [gate.decide(s) for s in (1.5, 1.01, 0.99, 1.05, 1.09, 1.11, 1.0, 0.95)]
+    assert decisions == [True, True, False, False, False, True, True, False]
+    assert gate.switches == 3
+
+
+def test_gate_probes_while_off():
+    gate = SpeculationGate(hysteresis=0.1, probe=0.2, seed=3)
+    runs = [gate.decide(0.5) for _ in range(1000)]
+    assert not gate.on and 120 < sum(runs) < 280
+
+
+# ------------------------------------------------------------------------- simulated controller
+def _simulate(ctrl: SpecController, batch: int, steps: int, a: float, b: float, alpha: float):
+    """Drive the controller with t(T) = a + b·T and per-token acceptance α; returns
+    (tokens emitted, simulated seconds, spec steps) over the last half of the steps."""
+    rng = random.Random(0)
+    tokens = seconds = spec = 0.0
+    for step in range(steps):
+        arms = ctrl.plan(batch)
+        if arms is None:
+            fed, emitted = batch, batch
+        else:
+            fed = emitted = 0
+            for arm in arms:
+                acc = 0
+                while acc < arm.k and rng.random() < alpha:
+                    acc += 1
+                ctrl.record(batch, arm, arm.k, acc + 1)
+                fed += arm.k + 1
+                emitted += acc + 1
+        cost = a + b * fed
+        ctrl.record_step(fed, cost)
+        if step >= steps // 2:
+            tokens, seconds, spec = tokens + emitted, seconds + cost, spec + (arms is not None)
+    return tokens, seconds, spec
+
+
+def test_gate_speculates_in_the_latency_bound_tail_and_not_in_a_full_batch():
+    a, b, alpha = 1.0, 0.2, 0.6
+    tail = SpecController(["ngram"], 8, seed=0)
+    tokens, seconds, spec = _simulate(tail, batch=1, steps=600, a=a, b=b, alpha=alpha)
+    assert spec > 0.85 * 300
+    assert tokens / seconds > 1.25 * (1 / (a + b))  # clearly faster than plain decoding
+    best = max(tail.arms, key=lambda arm: tail.bandit.value(0, arm))
+    assert best.k >= 2  # the tail gets long speculation
+
+    full = SpecController(["ngram"], 8, seed=0)
+    tokens, seconds, spec = _simulate(full, batch=64, steps=600, a=a, b=b, alpha=alpha)
+    assert spec < 0.1 * 300  # probes only
+    assert not full.gate.on
+    plain_rate = 64 / (a + b * 64)
+    assert tokens / seconds > 0.95 * plain_rate  # never (materially) slower than plain
+
+
+def test_controller_is_deterministic_given_seed_and_timings():
+    runs = []
+    for _ in range(2):
+        ctrl = SpecController(["ngram", "eagle"], 4, seed=11)
+        _simulate(ctrl, batch=8, steps=200, a=1.0, b=0.1, alpha=0.7)
+        runs.append(ctrl.to_dict())
+    assert runs[0] == runs[1]
+
+
+# ------------------------------------------------------------------------- the engine, virtual time
+class VirtualClock:
+    """Time that only target forwards advance: a + b·tokens each."""
+
+    def __init__(self, a: float, b: float) -> None:
+        self.a, self.b, self.now = a, b, 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def hook(self, _module, args, _out) -> None:
+        self.now += self.a + self.b * args[0].numel()
+
+
+class Oracle:
+    """Drafts the target's own greedy continuation (a perfect draft under greedy decoding)."""
+
+    name = "test-gating-oracle"
+    tap_layers: tuple[int, ...] = ()
+
+    def __init__(self, target: Transformer) -> None:
+        self.draft = copy.deepcopy(target)
+
+    def propose(self, batch, ks):
+        outs = generate(self.draft, [s.tokens for s in batch], max(ks))
+        return [Draft(o[:k]) for o, k in zip(outs, ks, strict=True)]
+
+    def observe(self, batch, accepted, taps, committed):
+        pass
+
+    def reset(self, seq):
+        pass
+
+    def release(self, seq):
+        pass
+
+
+register_proposer("test-gating-oracle", lambda ctx: Oracle(ctx.target), replace=True)
+
+
+def _virtual_run(model, spec, a, b, prompts, max_tokens=24):
+    clock = VirtualClock(a, b)
+    engine = RolloutEngine(model, max_batch_size=len(prompts), spec=spec, clock=clock, seed=5)
+    handle = model.register_forward_hook(clock.hook)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        out = engine.generate([Request(p, params) for p in prompts])
+    finally:
+        handle.remove()
+    return [r.tokens for r in out], clock.now, engine.stats()
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = Transformer(preset_config("toy-tiny", vocab_size=32)).init_weights(0, std=0.2)
+    return m.to(torch.float64)
+
+
+PROMPTS = [[1 + i % 7, 2 + i % 5, 3 + i % 3] for i in range(32)]
+
+
+def test_engine_gate_keeps_a_compute_bound_batch_as_fast_as_plain(model):
+    a, b = 0.0, 1e-3  # every token costs the same: speculation can only lose
+    plain_tokens, plain_t, _ = _virtual_run(model, None, a, b, PROMPTS, 48)
+    always = SpecConfig(proposers=("ngram",), max_k=4, gate=False)
+    tokens, always_t, _ = _virtual_run(model, always, a, b, PROMPTS, 48)
+    gated = SpecConfig(proposers=("ngram",), max_k=4, probe=0.02)
+    gated_tokens, gated_t, stats = _virtual_run(model, gated, a, b, PROMPTS, 48)
+    assert tokens == gated_tokens == plain_tokens
+    assert always_t > 1.08 * plain_t  # ungated speculation is slower here ...
+    assert gated_t < 1.02 * plain_t  # ... the gate turns it off after a few probing steps
+    assert not stats["gating"]["gate_on"]
+    assert stats["gating"]["plain_steps"] > 4 * stats["gating"]["spec_steps"]
+
+
+def test_engine_gate_keeps_speculation_where_it_pays(model):
+    a, b = 10e-3, 1e-5  # latency-bound: k + 1 tokens cost about as much as one
+    plain_tokens, plain_t, _ = _virtual_run(model, None, a, b, PROMPTS[:2])
+    gated = SpecConfig(proposers=("test-gating-oracle",), max_k=4)
+    tokens, gated_t, stats = _virtual_run(model, gated, a, b, PROMPTS[:2])
+    assert tokens == plain_tokens
+    assert stats["gating"]["plain_steps"] == 0
+    assert gated_t < 0.5 * plain_t
+
+
+def test_engine_decisions_are_deterministic_with_injected_timings(model):
+    spec = SpecConfig(proposers=("ngram", "test-gating-oracle"), max_k=4)
+    first = _virtual_run(model, spec, 1e-3, 1e-4, PROMPTS[:8])
+    second = _virtual_run(model, spec, 1e-3, 1e-4, PROMPTS[:8])
+    assert first[0] == second[0] and first[1] == second[1]
+    assert first[2]["gating"] == second[2]["gating"]
+    assert first[2]["spec"] == second[2]["spec"]
