@@ -12,9 +12,10 @@ import sys
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from specrl import __version__
-from specrl.cli import env, export_draft, init_draft, rollout, warmstart
+from specrl.cli import env, export_draft, init_draft, warmstart
 from specrl.cli.ui import STATE, err
 from specrl.errors import SpecrlError
 
@@ -59,7 +60,6 @@ app.command("env")(env.env_command)
 app.command("warm-start")(warmstart.warmstart_command)
 app.command("init-draft")(init_draft.init_draft_command)
 app.command("export-draft")(export_draft.export_draft_command)
-app.add_typer(rollout.app, name="rollout")
 
 
 def main() -> None:
@@ -69,9 +69,9 @@ def main() -> None:
     except SpecrlError as exc:
         if STATE.debug:
             raise
-        err.print(f"[bold red]Error:[/] {exc.message}", highlight=False, markup=True)
+        err.print(f"[bold red]Error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
         if exc.hint:
-            err.print(f"[dim]hint:[/] {exc.hint}", highlight=False)
+            err.print(f"[dim]hint:[/] {escape(exc.hint)}", highlight=False, soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]")

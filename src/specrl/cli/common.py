@@ -34,7 +34,11 @@ def write_resolved(recipe_obj, run_dir: str | Path, name: str = "recipe.resolved
 
 @contextmanager
 def progress_bar(description: str, total: int):
-    """A Rich progress bar on stderr; yields ``update(done, total, **fields)``."""
+    """A Rich progress bar on stderr; yields ``update(done, total, info)``.
+
+    The bar appears at the first update, so input errors raised before any work starts print
+    as a clean one-line error with no half-drawn bar.
+    """
     prog = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -45,10 +49,16 @@ def progress_bar(description: str, total: int):
         console=err,
         transient=False,
     )
-    with prog:
-        task = prog.add_task(description, total=total, info="")
+    state: dict[str, int] = {}
 
-        def update(done: int, total_: int | None = None, info: str = "") -> None:
-            prog.update(task, completed=done, total=total_ or total, info=info)
+    def update(done: int, total_: int | None = None, info: str = "") -> None:
+        if "task" not in state:
+            prog.start()
+            state["task"] = prog.add_task(description, total=total, info="")
+        prog.update(state["task"], completed=done, total=total_ or total, info=info)
 
+    try:
         yield update
+    finally:
+        if "task" in state:
+            prog.stop()

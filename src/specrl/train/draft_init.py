@@ -201,7 +201,8 @@ def evaluate_draft(
     return {"acc": [round(a, 4) for a in acc], "tau": round(tau, 3), "k": steps}
 
 
-def build_draft(target: Transformer, counts: torch.Tensor, opts: DraftInitOptions) -> Eagle3Draft:
+def draft_config(target: Transformer, opts: DraftInitOptions) -> DraftConfig:
+    """The new draft's config, validated against the target (before any expensive work)."""
     tcfg = target.config
     vocab = opts.draft_vocab or min(tcfg.vocab_size, 32768)
     if not 1 <= vocab <= tcfg.vocab_size:
@@ -209,14 +210,20 @@ def build_draft(target: Transformer, counts: torch.Tensor, opts: DraftInitOption
             f"--draft-vocab {vocab} must be in 1..{tcfg.vocab_size} (the target's vocabulary)"
         )
     try:
-        cfg = DraftConfig.for_target(tcfg, draft_vocab_size=vocab, tap_layers=opts.tap_layers)
+        return DraftConfig.for_target(tcfg, draft_vocab_size=vocab, tap_layers=opts.tap_layers)
     except ValueError as exc:
         raise CheckpointError(f"--tap-layers: {exc}") from None
+
+
+def build_draft(
+    target: Transformer, cfg: DraftConfig, counts: torch.Tensor, opts: DraftInitOptions
+) -> Eagle3Draft:
     draft = init_draft_weights(Eagle3Draft(cfg), opts.seed)
-    draft.set_vocab_map(build_vocab_map(counts, vocab))
+    draft.set_vocab_map(build_vocab_map(counts, cfg.draft_vocab_size))
     with torch.no_grad():
         if opts.init == "last-layer":
-            init_from_target_layer(draft, target.layer(tcfg.num_hidden_layers - 1), opts.seed)
+            last = target.layer(target.config.num_hidden_layers - 1)
+            init_from_target_layer(draft, last, opts.seed)
         draft.lm_head.weight.copy_(target.lm_head.weight[draft.draft_to_target])
         draft.norm.weight.copy_(target.model.norm.weight)
     draft = draft.to(device=target.device, dtype=target.dtype)
@@ -245,14 +252,21 @@ def run_draft_init(opts: DraftInitOptions, *, progress=None) -> DraftInitResult:
     codec = TextCodec(tok, target.config.bos_token_id, target.config.eos_token_id)
     if opts.task is None:
         raise DataError("init-draft needs a task for prompts", hint="pass --task or --recipe")
+    # validate the draft against the target before the (expensive) generation
+    imported = (
+        import_eagle3(opts.from_eagle3, target, server=opts.aux_convention)
+        if opts.from_eagle3
+        else None
+    )
+    cfg = None if imported is not None else draft_config(target, opts)
     train_probs = opts.task.sample(random.Random(opts.seed), opts.prompts)
     eval_probs = opts.task.sample(random.Random(opts.seed + 1), opts.eval_prompts)
     if progress:
         progress("generating", 0, 1, "target samples responses")
     pool = sample_responses(target, codec, train_probs, opts, opts.seed)
     held_out = sample_responses(target, codec, eval_probs, opts, opts.seed + 1)
-    if opts.from_eagle3:
-        draft = import_eagle3(opts.from_eagle3, target, server=opts.aux_convention)
+    if imported is not None:
+        draft = imported
         vocab_source = f"imported from {opts.from_eagle3}"
     else:
         if opts.corpus:
@@ -261,7 +275,7 @@ def run_draft_init(opts: DraftInitOptions, *, progress=None) -> DraftInitResult:
         else:
             counts = sample_counts(pool, target.config.vocab_size)
             vocab_source = f"target generations on {opts.prompts} task prompts"
-        draft = build_draft(target, counts, opts)
+        draft = build_draft(target, cfg, counts, opts)
     before = evaluate_draft(target, draft, held_out, opts.eval_ttt_steps)
     trainable = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=opts.lr, betas=(0.9, 0.95), weight_decay=0.0)
