@@ -126,6 +126,7 @@ _REGISTRY: dict[str, ProposerFactory] = {}
 # Built-in proposers register themselves when their module is imported (lazily, on first use).
 _BUILTIN_MODULES: dict[str, str] = {
     "ngram": "specrl.rollout.proposers.ngram",
+    "eagle3": "specrl.rollout.proposers.eagle3",
 }
 
 

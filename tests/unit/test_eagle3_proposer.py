@@ -1,0 +1,89 @@
+"""The EAGLE-3 proposer inside the engine: exact greedy, lossless sampling, weight updates."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specrl.errors import CheckpointError
+from specrl.models.generate import generate
+from specrl.rollout import Request, SamplingParams, SpecConfig
+from tests.unit.test_draft import make_pair
+from tests.unit.test_engine import _exact_marginals, greedy, make_engine
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+PROMPTS = [[1, 5, 6, 7, 5, 6], [3, 4, 3, 4, 3], [9], [10, 11, 12, 13, 10, 11, 12], [2, 2]]
+
+
+def spec_with(draft, *names, k=4):
+    return SpecConfig(proposers=names, max_k=k, gate=False,
+                      proposer_options={"eagle3": {"draft": draft}})
+
+
+@pytest.mark.parametrize("slots", [1, 3], ids=["batch1", "continuous"])
+@pytest.mark.parametrize("names", [("eagle3",), ("eagle3", "ngram")], ids=["eagle3", "best-of-n"])
+def test_greedy_eagle3_matches_plain(slots, names):
+    target, draft = make_pair()
+    ref = generate(target, PROMPTS, 20)
+    engine = make_engine(target, max_batch_size=slots, spec=spec_with(draft, *names))
+    out = engine.generate([Request(p, greedy(20)) for p in PROMPTS])
+    assert [r.tokens for r in out] == ref
+    s = engine.stats()
+    assert s["spec"]["draft_tokens"] > 0
+    assert "eagle3" in {arm.split("/")[0] for arm in s["gating"]["selections"]}
+
+
+def test_sampled_eagle3_is_lossless():
+    target, draft = make_pair(seed=2)
+    params = SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, n=3000, seed=1)
+    engine = make_engine(target, max_batch_size=256, max_model_len=8,
+                         spec=spec_with(draft, "eagle3", k=2))
+    out = engine.generate([Request([1, 2], params)])
+    assert engine.stats()["spec"]["drafts"] > 500
+    tokens = np.array([r.tokens for r in out])
+    v = target.config.vocab_size
+    for pos, exact in enumerate(_exact_marginals(target, [1, 2], 3, params)):
+        obs = np.bincount(tokens[:, pos], minlength=v)
+        assert obs[exact == 0].sum() == 0
+        keep = exact * len(out) >= 5
+        pool = (exact > 0) & ~keep
+        f_obs = np.append(obs[keep], obs[pool].sum()) if pool.any() else obs[keep]
+        f_exp = np.append(exact[keep], exact[pool].sum()) if pool.any() else exact[keep]
+        assert stats.chisquare(f_obs, f_exp * len(out)).pvalue > 0.01, f"position {pos}"
+
+
+def test_draft_weight_update_changes_drafts_not_outputs():
+    target, draft = make_pair()
+    _, other = make_pair(seed=5)
+    engine = make_engine(target, max_batch_size=2, spec=spec_with(draft, "eagle3"))
+    ref = generate(target, PROMPTS[:2], 12)
+    state = {k: v for k, v in other.state_dict().items() if not k.startswith("embed")}
+    engine.update_weights(draft=state, version=3)
+    out = engine.generate([Request(p, greedy(12)) for p in PROMPTS[:2]])
+    assert [r.tokens for r in out] == ref
+    assert engine.stats()["draft_version"] == 3
+    prop = engine.proposers["eagle3"]
+    assert torch.equal(prop.draft.fc.weight, other.fc.weight)
+    bad = dict(state)
+    bad["fc.weight"] = bad["fc.weight"][:, :5]
+    with pytest.raises(CheckpointError, match="shape"):
+        engine.update_weights(draft=bad)
+
+
+def test_policy_update_reaches_the_shared_embedding():
+    target, draft = make_pair()
+    engine = make_engine(target, max_batch_size=1, spec=spec_with(draft, "eagle3"))
+    new = {k: v + 0.1 for k, v in target.state_dict().items()}
+    engine.update_weights(policy=new)
+    emb = engine.proposers["eagle3"].draft.embed_tokens.weight
+    assert torch.equal(emb, engine.model.model.embed_tokens.weight)
