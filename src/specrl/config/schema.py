@@ -89,9 +89,143 @@ class PolicyConfig:
 
 
 @dataclass
+class DraftInitConfig:
+    """How ``specrl train`` creates the draft when ``draft.path`` holds none (= init-draft)."""
+
+    prompts: int = doc(512, "Target generations used for the vocabulary and the warm-up.")
+    draft_vocab: int | None = doc(None, "Draft vocabulary size; null → min(vocab, 32768).")
+    steps: int = doc(200, "Offline warm-up steps (0: none).")
+    ttt_steps: int = doc(4, "TTT steps K during the warm-up.")
+    batch_size: int = doc(32, "Sequences per warm-up step.")
+    lr: float = doc(3e-3, "Peak warm-up learning rate.")
+    init: Literal["random", "last-layer"] = doc("random", "Decoder-layer initialisation.")
+    tap_layers: list[int] | None = doc(
+        None, "Target tap layers (output-of-layer ids); null: default."
+    )
+
+
+@dataclass
+class DraftConfigSection:
+    """The EAGLE-3 draft and how it learns during RL."""
+
+    mode: Literal["cotrain", "frozen", "none"] = doc(
+        "cotrain", "cotrain: TTT on every policy forward; frozen: never updated; none: no draft."
+    )
+    path: str = doc("", "specrl draft directory (created by `init` when missing).")
+    init: DraftInitConfig | None = doc(None, "Create the draft at `path` when it does not exist.")
+    ttt_steps: int = doc(3, "TTT steps K of the online update.")
+    loss: Literal["ce", "tv"] = doc("ce", "Soft cross-entropy to the policy, or total variation.")
+    lr: float = doc(1e-3, "Draft AdamW learning rate (its own optimizer and param group).")
+    weight_decay: float = doc(0.0, "Draft AdamW weight decay.")
+    grad_clip: float = doc(1.0, "Draft gradient-norm clip (separate from the policy's).")
+    loss_weight: float = doc(1.0, "Multiplier of the draft loss.")
+    decay: float = doc(0.8, "TTT step weight decay**k.")
+
+    def __post_init__(self) -> None:
+        if self.ttt_steps < 1:
+            raise ValueError("ttt_steps must be ≥ 1")
+
+
+@dataclass
+class SpeculationConfig:
+    """Speculative decoding of rollouts."""
+
+    proposers: list[str] = doc(
+        factory=lambda: ["eagle3", "ngram"], help="Drafters the bandit chooses from per request."
+    )
+    max_k: int = doc(4, "Longest draft per verification.")
+    gate: bool = doc(True, "Gate speculation by batch size from the online cost model.")
+    epsilon: float = doc(0.1, "Bandit exploration rate.")
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout generation (the embedded speculative engine)."""
+
+    prompts_per_step: int = doc(16, "Prompts per RL step.")
+    n: int = doc(8, "Samples per prompt (the GRPO group).")
+    temperature: float = doc(1.0, "Sampling temperature (applied to training logits too).")
+    max_tokens: int = doc(64, "Generation budget per sample.")
+    max_batch_size: int = doc(64, "Engine slots (concurrent sequences).")
+    speculation: SpeculationConfig | None = doc(
+        factory=SpeculationConfig, help="Speculative decoding; null: plain decoding."
+    )
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.prompts_per_step < 1:
+            raise ValueError("n and prompts_per_step must be ≥ 1")
+        if self.temperature <= 0:
+            raise ValueError("RL rollouts need temperature > 0 (on-policy sampling)")
+
+
+@dataclass
+class AlgoConfig:
+    """The policy-gradient algorithm."""
+
+    name: Literal["grpo", "dapo"] = doc("grpo", "grpo, or dapo (clip-higher, dynamic sampling).")
+    lr: float = doc(2e-4, "Policy AdamW learning rate.")
+    weight_decay: float = doc(0.0, "Policy AdamW weight decay.")
+    grad_clip: float = doc(1.0, "Policy gradient-norm clip.")
+    clip_low: float = doc(0.2, "PPO ratio clip ε_low.")
+    clip_high: float = doc(0.28, "PPO ratio clip ε_high (clip-higher; = clip_low for plain PPO).")
+    kl_coef: float = doc(0.0, "KL(π‖π_ref) penalty to the initial policy (k3 estimator); 0: off.")
+    minibatches: int = doc(2, "Policy updates per rollout batch (minibatches).")
+    std_normalize: bool = doc(True, "Divide group advantages by the group's reward std.")
+    dynamic_sampling: bool = doc(False, "Drop groups whose rewards are all equal (DAPO).")
+
+    def __post_init__(self) -> None:
+        if self.minibatches < 1:
+            raise ValueError("minibatches must be ≥ 1")
+        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
+            raise ValueError("need 0 ≤ clip_low < 1 and clip_high ≥ 0")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout: dp × cp × pp must equal the number of processes (torchrun)."""
+
+    dp: int = doc(1, "Data-parallel degree (DDP).")
+    cp: int = doc(1, "Context-parallel degree (zigzag ring attention, draft branch merged).")
+    pp: int = doc(1, "Pipeline-parallel degree (TapChannel carries taps to the draft stage).")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = doc("1f1b", "Pipeline schedule.")
+    virtual_stages: int = doc(1, "Model chunks per pipeline rank (interleaved schedules).")
+    microbatches: int = doc(4, "Pipeline microbatches per minibatch.")
+    ttt_cp_mode: Literal["ring", "ring_once", "gather"] = doc(
+        "ring", "How the draft's TTT steps share the main K/V under CP."
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp * self.pp
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpointing (atomic; also on SIGTERM/SIGINT)."""
+
+    every: int = doc(10, "Save every N steps (0: only at the end and on signals).")
+    keep: int = doc(2, "Newest checkpoints kept.")
+
+
+@dataclass
+class TrainConfig:
+    """Length and reporting of the RL run."""
+
+    steps: int = doc(60, "RL steps.")
+    eval_every: int = doc(10, "Greedy held-out accuracy every N steps (0: off).")
+    plots: bool = doc(True, "Write PNG plots of reward and τ into the run directory.")
+
+
+@dataclass
 class Recipe:
     """A complete specrl recipe."""
 
     run: RunConfig = doc(factory=RunConfig, help="Run name, directory, seed, device.")
     task: TaskConfig = doc(factory=TaskConfig, help="Task and verifier.")
     policy: PolicyConfig = doc(factory=PolicyConfig, help="Policy model and its warm-start.")
+    draft: DraftConfigSection = doc(factory=DraftConfigSection, help="The EAGLE-3 draft.")
+    rollout: RolloutConfig = doc(factory=RolloutConfig, help="Rollout generation.")
+    algo: AlgoConfig = doc(factory=AlgoConfig, help="Policy-gradient algorithm.")
+    parallel: ParallelConfig = doc(factory=ParallelConfig, help="dp × cp × pp layout.")
+    checkpoint: CheckpointConfig = doc(factory=CheckpointConfig, help="Checkpoint policy.")
+    train: TrainConfig = doc(factory=TrainConfig, help="Length and reporting.")

@@ -101,6 +101,8 @@ class SpecStats:
             "tau": self.tau,
             "acceptance_rate": self.acceptance_rate,
             "per_position": self.per_position,
+            "position_drafts": list(self.position_drafts),
+            "position_accepted": list(self.position_accepted),
             "selections": dict(self.selections),
         }
 

@@ -1,0 +1,101 @@
+"""JSON snapshots of the engine's decision state (bandit, gate, cost model, alarm, n-gram history).
+
+Resuming an RL run must replay speculation decisions exactly: with different drafts the verifier
+consumes different random numbers, so even lossless sampling would produce different (equally
+distributed) tokens.  These objects are plain Python (numbers, containers, ``random.Random``,
+small specrl classes), so a tagged-JSON encoding restores them without pickle: objects are
+restored *in place* when they exist, and only specrl classes are ever re-created.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import random
+from collections import Counter, OrderedDict, deque
+from typing import Any
+
+
+def snapshot(x: Any) -> Any:
+    """Encode ``x`` as JSON-able data with type tags."""
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else {"__float__": repr(x)}
+    if isinstance(x, list):
+        return [snapshot(v) for v in x]
+    if isinstance(x, tuple):
+        return {"__tuple__": [snapshot(v) for v in x]}
+    if isinstance(x, deque):
+        return {"__deque__": [snapshot(v) for v in x], "maxlen": x.maxlen}
+    if isinstance(x, (set, frozenset)):
+        return {"__set__": sorted((snapshot(v) for v in x), key=repr)}
+    if isinstance(x, random.Random):
+        version, internal, gauss = x.getstate()
+        return {"__random__": [version, list(internal), gauss]}
+    if isinstance(x, dict):
+        kind = (
+            "Counter"
+            if isinstance(x, Counter)
+            else ("OrderedDict" if isinstance(x, OrderedDict) else "dict")
+        )
+        return {"__map__": [[snapshot(k), snapshot(v)] for k, v in x.items()], "kind": kind}
+    if hasattr(x, "__dict__") and type(x).__module__.startswith("specrl."):
+        return {
+            "__obj__": f"{type(x).__module__}.{type(x).__qualname__}",
+            "attrs": {k: snapshot(v) for k, v in vars(x).items()},
+        }
+    raise TypeError(f"cannot snapshot {type(x).__name__}")
+
+
+def _new(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    if not module.startswith("specrl."):
+        raise ValueError(f"refusing to create {path!r}: only specrl classes are restored")
+    cls = getattr(importlib.import_module(module), name)
+    return cls.__new__(cls)
+
+
+def restore(state: Any, into: Any = None) -> Any:
+    """Decode ``state``; objects are filled in place when ``into`` is an existing object."""
+    if isinstance(state, list):
+        return [restore(v) for v in state]
+    if not isinstance(state, dict):
+        return state
+    if "__float__" in state:
+        return float(state["__float__"])
+    if "__tuple__" in state:
+        return tuple(restore(v) for v in state["__tuple__"])
+    if "__deque__" in state:
+        return deque((restore(v) for v in state["__deque__"]), maxlen=state["maxlen"])
+    if "__set__" in state:
+        return {restore(v) for v in state["__set__"]}
+    if "__random__" in state:
+        version, internal, gauss = state["__random__"]
+        rng = into if isinstance(into, random.Random) else random.Random()
+        rng.setstate((version, tuple(internal), gauss))
+        return rng
+    if "__map__" in state:
+        cls = {"Counter": Counter, "OrderedDict": OrderedDict, "dict": dict}[state["kind"]]
+        return cls(dict((restore(k), restore(v)) for k, v in state["__map__"]))
+    if "__obj__" in state:
+        obj = into if into is not None and hasattr(into, "__dict__") else _new(state["__obj__"])
+        frozen = dataclasses.is_dataclass(obj) and type(obj).__dataclass_params__.frozen
+        for name, val in state["attrs"].items():
+            current = getattr(obj, name, None)
+            keep_obj = (
+                current is not None
+                and hasattr(current, "__dict__")
+                and isinstance(val, dict)
+                and "__obj__" in val
+            )
+            value = restore(
+                val, current if keep_obj or isinstance(current, random.Random) else None
+            )
+            if frozen:
+                object.__setattr__(obj, name, value)
+            else:
+                setattr(obj, name, value)
+        return obj
+    raise ValueError(f"unknown snapshot tag in {sorted(state)[:3]}")

@@ -1,0 +1,103 @@
+"""Make sure the recipe's policy and draft checkpoints exist before RL starts.
+
+``policy.path`` missing + ``policy.warmstart`` given → supervised warm-start writes it;
+``draft.path`` missing + ``draft.init`` given (and ``draft.mode != none``) → init-draft writes it.
+Existing checkpoints are reused as they are, so a recipe can be re-run without redoing them.
+Only rank 0 creates; other ranks wait at a barrier (the caller's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from specrl.config.schema import Recipe
+from specrl.errors import CheckpointError, ConfigError
+from specrl.models.draft_io import DRAFT_META
+
+Progress = Callable[[str, int, int, str], None]  # (phase, done, total, info)
+
+
+def policy_ready(recipe: Recipe) -> bool:
+    return (Path(recipe.policy.path) / "config.json").is_file()
+
+
+def draft_ready(recipe: Recipe) -> bool:
+    return (Path(recipe.draft.path) / DRAFT_META).is_file()
+
+
+def check_artifacts(recipe: Recipe, source: str) -> None:
+    """One-line errors for checkpoints that are neither present nor creatable."""
+    if not recipe.policy.path:
+        raise ConfigError(
+            f"{source}: policy.path is empty", hint="set policy.path to an HF checkpoint directory"
+        )
+    if not policy_ready(recipe) and recipe.policy.warmstart is None:
+        raise CheckpointError(
+            f"{source}: policy.path '{recipe.policy.path}' holds no checkpoint and the recipe "
+            "has no policy.warmstart to create one",
+            hint="point policy.path at an HF-format directory, or add a policy.warmstart section",
+        )
+    if recipe.draft.mode == "none":
+        return
+    if not recipe.draft.path:
+        raise ConfigError(
+            f"{source}: draft.mode is '{recipe.draft.mode}' but draft.path is empty",
+            hint="set draft.path, or draft.mode: none",
+        )
+    if not draft_ready(recipe) and recipe.draft.init is None:
+        raise CheckpointError(
+            f"{source}: draft.path '{recipe.draft.path}' holds no specrl draft and the recipe "
+            "has no draft.init to create one",
+            hint=f"specrl init-draft --target {recipe.policy.path} --out {recipe.draft.path}",
+        )
+
+
+def ensure_artifacts(recipe: Recipe, progress: Progress | None = None) -> dict[str, str]:
+    """Create what is missing (rank 0 only); returns what was done, for the run log."""
+    done: dict[str, str] = {}
+    if not policy_ready(recipe):
+        from specrl.train.warmstart import run_warmstart
+
+        cb = None
+        if progress is not None:
+            cb = lambda s, n, loss, acc: progress(
+                "warm-start", s, n, f"loss {loss:.3f}" + (f" acc {acc:.0%}" if acc else "")
+            )
+        res = run_warmstart(recipe, recipe.policy.path, progress=cb)
+        done["policy"] = (
+            f"warm-started {res.steps} steps → {res.path} (held-out accuracy {res.accuracy:.1%})"
+        )
+    if recipe.draft.mode != "none" and not draft_ready(recipe):
+        from specrl.rl.tasks import task_from_config
+        from specrl.train.draft_init import DraftInitOptions, run_draft_init
+
+        init = recipe.draft.init
+        assert init is not None
+        opts = DraftInitOptions(
+            target=recipe.policy.path,
+            out=recipe.draft.path,
+            task=task_from_config(recipe.task),
+            draft_vocab=init.draft_vocab,
+            prompts=init.prompts,
+            eval_prompts=min(recipe.task.eval_size, 128),
+            max_new_tokens=recipe.rollout.max_tokens,
+            temperature=recipe.rollout.temperature,
+            steps=init.steps,
+            ttt_steps=init.ttt_steps,
+            batch_size=init.batch_size,
+            lr=init.lr,
+            init=init.init,
+            tap_layers=tuple(init.tap_layers) if init.tap_layers else None,
+            seed=recipe.run.seed,
+            device="cuda" if recipe.run.device == "cuda" else "cpu",
+        )
+        cb = None
+        if progress is not None:
+            cb = lambda phase, d, n, info: progress(f"init-draft {phase}", d, n, info)
+        res = run_draft_init(opts, progress=cb)
+        done["draft"] = (
+            f"initialised {res.out}: simulated τ {res.before['tau']} → "
+            f"{res.after['tau']} at k={res.after['k']}"
+        )
+    return done
