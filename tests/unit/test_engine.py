@@ -268,7 +268,8 @@ def test_speculative_sampling_follows_the_policy_through_the_engine():
         f_exp = (np.append(exact[keep], exact[pool].sum()) if pool.any() else exact[keep]) * len(
             out
         )
-        assert stats.chisquare(f_obs, f_exp).pvalue > 0.01, f"position {pos}"
+        # 1 % for the four positions together (Bonferroni), so the test is not flaky
+        assert stats.chisquare(f_obs, f_exp).pvalue > 0.01 / 4, f"position {pos}"
 
 
 def test_logprobs_are_the_processed_and_the_raw_policy_distributions():

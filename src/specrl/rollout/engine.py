@@ -118,7 +118,7 @@ class SpecConfig:
     gate: bool = True  # batch-size gate from the online cost model (False: always speculate)
     epsilon: float = 0.1  # bandit exploration rate
     hysteresis: float = 0.1  # gate: off below expected speedup 1, on again above 1 + h
-    probe: float = 0.05  # probability of a speculative step while the gate is off
+    probe: float = 0.05  # while the gate is off, ~1 step in 1/probe speculates anyway
     cost_window: int = 256  # decode steps in the cost model's least-squares fit
     alarm_window: int = 32  # drafts per window of the stale-draft alarm
     alarm_tau: float = 1.05  # τ at or below which a window raises the alarm
@@ -126,16 +126,18 @@ class SpecConfig:
 
 @dataclass
 class _Launch:
-    """One packed forward of a step, prepared on the host, then run, then read back."""
+    """One packed forward of a step: planned on the host, then run, then read back."""
 
     prefill: bool
-    seqs: list[SeqState]
-    inputs: list[list[int]]  # tokens fed per sequence
-    drafts: list[Draft]  # decode: the draft per sequence (empty for prefill)
-    arms: list[Arm | None]  # decode: bandit arm per sequence when speculating
-    caps: list[int]  # decode: draft length allowed per sequence
-    input_starts: list[int]  # first packed input row of each sequence
-    num_rows: list[int]  # verified (logit) rows per sequence: k + 1
+    seqs: list[SeqState]  # the sequences it advances (each gets k + 1 verified rows)
+    fed: list[SeqState]  # the sequences whose tokens are fed (prefill: one per request)
+    feeder: list[int]  # for each of ``seqs``, the index in ``fed`` that carries it
+    inputs: list[list[int]]  # tokens fed, per entry of ``fed``
+    drafts: list[Draft]  # per sequence (empty for prefill)
+    arms: list[Arm | None]  # per sequence: the bandit arm when speculating
+    caps: list[int]  # per sequence: the draft length it was allowed
+    num_rows: list[int]  # per sequence: verified (logit) rows, k + 1
+    input_starts: list[int] = field(default_factory=list)  # first packed row of each ``fed``
     tensors: dict[str, Any] = field(default_factory=dict)  # device inputs
     out: dict[str, Any] = field(default_factory=dict)  # device outputs
     k1: int = 1  # K + 1, width of the padded [B, K+1] tables
@@ -151,14 +153,14 @@ class RolloutEngine:
         codec: TextCodec | None = None,
         max_batch_size: int = 16,
         max_model_len: int | None = None,
-        spec: SpecConfig | None = None,
+        spec: SpecConfig | None = None,  # None: plain decoding
         seed: int = 0,
         clock: Callable[[], float] = time.perf_counter,
         eos_token_ids: Sequence[int] | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be ≥ 1, got {max_batch_size}")
-        self.model = model.eval()
+        self.model = model
         self.codec = codec
         self.device = model.device
         self.vocab_size = model.config.vocab_size
@@ -172,29 +174,26 @@ class RolloutEngine:
                 eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
             )
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.spec = spec
-        ctx = ProposerContext(model, self.max_model_len, max_batch_size, seed)
-        names = spec.proposers if spec is not None else ()
-        if spec is not None and spec.max_k < 1:
+        self.spec = spec = spec if spec is not None else SpecConfig(proposers=())
+        if spec.max_k < 1:
             raise ConfigError(f"max k must be ≥ 1, got {spec.max_k}")
+        ctx = ProposerContext(model, self.max_model_len, max_batch_size, seed)
         self.proposers: dict[str, Proposer] = {
             name: build_proposer(name, ctx, **dict(spec.proposer_options.get(name, {})))
-            for name in names
+            for name in spec.proposers
         }
         self.tap_layers = tuple(sorted({t for p in self.proposers.values() for t in p.tap_layers}))
         self.controller = SpecController(
             list(self.proposers),
-            spec.max_k if spec is not None else 1,
-            epsilon=spec.epsilon if spec else 0.0,
-            hysteresis=spec.hysteresis if spec else 0.0,
-            probe=spec.probe if spec else 0.0,
-            cost_window=spec.cost_window if spec else 1,
-            gate=spec.gate if spec else False,
+            spec.max_k,
+            epsilon=spec.epsilon,
+            hysteresis=spec.hysteresis,
+            probe=spec.probe,
+            cost_window=spec.cost_window,
+            gate=spec.gate,
             seed=seed,
         )
-        self.alarm = AcceptanceAlarm(
-            spec.alarm_window if spec else 32, spec.alarm_tau if spec else 1.05
-        )
+        self.alarm = AcceptanceAlarm(spec.alarm_window, spec.alarm_tau)
         self.policy_version = 0
         self.draft_version = 0
         self._rng = random.Random(seed)
@@ -336,7 +335,8 @@ class RolloutEngine:
         self._seconds += seconds
         if decoding and not admitted:
             decode = launches[-1]
-            self.controller.record_step(sum(decode.num_rows), seconds)
+            padded = len(decode.seqs) * max(decode.num_rows)
+            self.controller.record_step(sum(decode.num_rows), padded, seconds)
         if decoding:
             self._learn(launches[-1], host[-1])
         return finished
@@ -355,18 +355,21 @@ class RolloutEngine:
 
     def _plan_prefill(self, seqs: list[SeqState]) -> _Launch:
         """Prefill each distinct request once; its other samples share the logits row and KV."""
-        leaders: dict[str, SeqState] = {}
+        leaders: dict[str, int] = {}
+        fed: list[SeqState] = []
         for s in seqs:
-            leaders.setdefault(s.request_id, s)
-        fed = list(leaders.values())
+            if s.request_id not in leaders:
+                leaders[s.request_id] = len(fed)
+                fed.append(s)
         return _Launch(
             prefill=True,
             seqs=seqs,
+            fed=fed,
+            feeder=[leaders[s.request_id] for s in seqs],
             inputs=[s.tokens[:] for s in fed],
             drafts=[Draft([]) for _ in seqs],
             arms=[None] * len(seqs),
             caps=[0] * len(seqs),
-            input_starts=[],
             num_rows=[1] * len(seqs),
         )
 
@@ -392,11 +395,12 @@ class RolloutEngine:
         return _Launch(
             prefill=False,
             seqs=seqs,
+            fed=seqs,
+            feeder=list(range(len(seqs))),
             inputs=[[s.tokens[-1], *d.tokens] for s, d in zip(seqs, drafts, strict=True)],
             drafts=drafts,
             arms=list(arms) if arms is not None else [None] * len(seqs),
             caps=caps,
-            input_starts=[],
             num_rows=[len(d.tokens) + 1 for d in drafts],
         )
 
@@ -429,18 +433,17 @@ class RolloutEngine:
             pos += n
         launch.input_starts = starts
         t = launch.tensors
-        fed = launch.seqs if not launch.prefill else self._leaders(launch)
+        fed = launch.fed
         t["ids"] = torch.tensor([x for seq in launch.inputs for x in seq], device=dev)
         t["layout"] = PackedLayout.from_lengths(lens, device=dev)
         t["slots"] = torch.tensor([s.slot for s in fed], dtype=torch.int64, device=dev)
         t["prefix"] = torch.tensor([s.kv_len for s in fed], dtype=torch.int64, device=dev)
         t["max_kv"] = max(s.kv_len + n for s, n in zip(fed, lens, strict=True))
         # logit rows: the last num_rows rows of each sequence's input (prefill: its leader's)
-        feeder = self._feeder_index(launch)
         logit_rows: list[int] = []
         row_start: list[int] = []
         for b, n in enumerate(launch.num_rows):
-            f = feeder[b]
+            f = launch.feeder[b]
             row_start.append(len(logit_rows))
             end = starts[f] + lens[f]
             logit_rows += range(end - n, end)
@@ -465,19 +468,6 @@ class RolloutEngine:
         t["uniforms"] = self._uniforms(launch)
         if any(d.probs is not None for d in launch.drafts):
             t["draft_probs"] = torch.cat([self._q_rows(d) for d in launch.drafts], dim=0)  # [R, V]
-
-    def _leaders(self, launch: _Launch) -> list[SeqState]:
-        seen: dict[str, SeqState] = {}
-        for s in launch.seqs:
-            seen.setdefault(s.request_id, s)
-        return list(seen.values())
-
-    def _feeder_index(self, launch: _Launch) -> list[int]:
-        """For each sequence, the index of the input segment that carries it."""
-        if not launch.prefill:
-            return list(range(len(launch.seqs)))
-        where = {s.request_id: i for i, s in enumerate(self._leaders(launch))}
-        return [where[s.request_id] for s in launch.seqs]
 
     def _q_rows(self, draft: Draft) -> torch.Tensor:
         """[k + 1, V] q rows of one sequence (one-hot for a probs-less draft; last row unused)."""
@@ -536,9 +526,11 @@ class RolloutEngine:
 
     def _share_prefix_kv(self, launch: _Launch) -> None:
         """Copy each leader's prompt K/V into the slots of the request's other samples."""
-        leader_slot = {s.request_id: s.slot for s in self._leaders(launch)}
-        pairs = [(leader_slot[s.request_id], s.slot) for s in launch.seqs]
-        pairs = [(a, b) for a, b in pairs if a != b]
+        pairs = [
+            (launch.fed[f].slot, s.slot)
+            for s, f in zip(launch.seqs, launch.feeder, strict=True)
+            if launch.fed[f] is not s
+        ]
         if not pairs:
             return
         src = torch.tensor([a for a, _ in pairs], device=self.device)
@@ -625,11 +617,9 @@ class RolloutEngine:
         """Tap rows of the committed positions, sequences in batch order; [Σ committed, H]."""
         if not self.tap_layers:
             return None
-        feeder = self._feeder_index(launch)
+        starts = [launch.input_starts[f] for f in launch.feeder]
         rows = [
-            r
-            for b, n in enumerate(committed)
-            for r in range(launch.input_starts[feeder[b]], launch.input_starts[feeder[b]] + n)
+            r for start, n in zip(starts, committed, strict=True) for r in range(start, start + n)
         ]
         index = torch.tensor(rows, dtype=torch.int64, device=self.device)
         return {layer: h.index_select(0, index) for layer, h in launch.out["taps"].items()}
@@ -765,3 +755,37 @@ class RolloutEngine:
             "alarm_tau": dict(self.alarm.last),
             "alarm_armed": self.alarm.armed,
         }
+
+    # ---------------------------------------------------------------------- resumable state
+    _STATE_ATTRS = (
+        "controller", "alarm", "_rng", "policy_version", "draft_version", "_next_seq",
+        "_next_request", "_steps", "_prefill_forwards", "_decode_forwards", "_tokens",
+        "_seconds", "_finished", "_spec", "_by_proposer",
+    )
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able decision state (bandit, gate, cost model, alarm, counters, proposer
+        histories) so a resumed run replays speculation exactly.  Needs an idle engine."""
+        from specrl.rollout.state import snapshot
+
+        if self.has_unfinished():
+            raise RuntimeError("state_dict() needs an idle engine")
+        state = {name: snapshot(getattr(self, name)) for name in self._STATE_ATTRS}
+        state["proposer_state"] = {
+            name: {a: snapshot(getattr(p, a)) for a in getattr(p, "state_attrs", ())}
+            for name, p in self.proposers.items()
+        }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from specrl.rollout.state import restore
+
+        for name in self._STATE_ATTRS:
+            setattr(self, name, restore(state[name], getattr(self, name)))
+        for name, attrs in state.get("proposer_state", {}).items():
+            p = self.proposers.get(name)
+            if p is None:
+                raise ConfigError(f"saved engine state has proposer {name!r}, which this engine "
+                                  "lacks", hint="resume with the recipe the run was started with")
+            for a, v in attrs.items():
+                setattr(p, a, restore(v, getattr(p, a)))

@@ -6,17 +6,21 @@ one), a large one makes it compute-bound (k + 1 tokens cost about k + 1 times as
 small pieces decide, all online, all deterministic given a seed and the measured step times
 (the clock is injected into the engine, so tests feed synthetic timings):
 
-- :class:`CostModel`: step time as a function of tokens in the target forward,
-  t(T) = a + b·T, least squares over the last ``window`` decode steps (a ≥ 0, b ≥ 0).  With no
-  spread in T yet it is flat (optimistic: speculation gets tried, and so measured).
+- :class:`CostModel`: step time from the tokens in the target forward T and its padded query
+  rows P = B·max(k + 1), t = a + b·T + c·P, non-negative least squares over the last ``window``
+  decode steps (P matters for attention kernels that pad every sequence to the longest one; a
+  varlen kernel fits c ≈ 0).  Flat before the data has spread (optimistic: speculation is tried).
 - :class:`EpsilonGreedy`: per request and step, which arm (proposer, k) drafts, bucketed by
   batch size (buckets 1, 2–3, 4–7, …); ε-greedy (TLT's choice, ε = 0.1).  Reward of one
-  verification = tokens emitted / its share of the step cost, a/B + b·(k_used + 1), so a long k
-  wins in the latency-bound tail and a short one (or none, via the gate) in a full batch.
-- :class:`SpeculationGate`: speculation on or off for the whole step, from the expected
-  speedup S(B) = max over arms of τ̂·t(B) / t(B·(k̂+1)) (τ̂ tokens per verification, k̂ + 1 tokens
-  fed, both running means per arm) with hysteresis: off below 1, on again above 1 + h.  While
-  off it still probes speculation with probability ``probe`` so its estimates stay fresh.
+  verification = tokens emitted / its share of the step cost, a/B + b·(k_used + 1) + c·(k + 1),
+  so a long k wins in the latency-bound tail and a short one (or none, via the gate) in a full
+  batch.
+- :class:`SpeculationGate`: speculation on or off for the step, from the expected speedup
+  S(B) = max over arms of τ̂·t(B, B) / t(B·f̂, B·(k + 1)) (τ̂ tokens emitted and f̂ fed per
+  verification, running means per arm) with hysteresis: off below 1, on again above 1 + h.
+  While off, one step in about 1/probe still speculates, so the estimates stay fresh (a whole
+  step, not a few sequences per step: with a padding kernel one drafting sequence makes the
+  whole batch pay for k + 1 query rows).
 
 :class:`SpecController` ties them together for the engine.
 """
@@ -57,46 +61,111 @@ def k_choices(max_k: int) -> tuple[int, ...]:
 
 
 class CostModel:
-    """Online least-squares fit of decode step time t(T) = a + b·T (T = tokens in the forward)."""
+    """Online fit of decode step time t = a + b·T + c·P.
+
+    T is the number of tokens fed to the target, P the query rows after padding (batch × the
+    longest sequence's new tokens), a the fixed cost of a step.  Non-negative least squares over
+    the last ``window`` steps, solved exactly by trying every subset of the coefficients
+    (preferring fewer on ties: with no spread in the data it stays flat).  Before any
+    measurement it is flat, t = 1 (optimistic: speculation gets tried, and so measured).
+    """
+
+    _SUBSETS = ((0,), (1,), (2,), (0, 1), (0, 2), (1, 2), (0, 1, 2))
 
     def __init__(self, window: int = 256) -> None:
-        self._obs: deque[tuple[int, float]] = deque(maxlen=window)
-        self._fit: tuple[float, float] | None = None
+        self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)
+        # running sums over the window: Σ x xᵀ, Σ x y, Σ y² with x = (1, T, P)
+        self._gram = [[0.0] * 3 for _ in range(3)]
+        self._xy = [0.0] * 3
+        self._yy = 0.0
+        self._since_rebuild = 0
+        self._fit: tuple[float, float, float] | None = None
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        self._obs.append((tokens, max(seconds, 0.0)))
+    def observe(self, tokens: int, padded: int, seconds: float) -> None:
+        if len(self._obs) == self._obs.maxlen:
+            self._accumulate(self._obs[0], -1.0)
+        obs = (float(tokens), float(padded), max(float(seconds), 0.0))
+        self._obs.append(obs)
+        self._accumulate(obs, 1.0)
+        self._since_rebuild += 1
+        if self._since_rebuild >= (self._obs.maxlen or 1):  # bound rounding drift
+            self._rebuild()
         self._fit = None
+
+    def _accumulate(self, obs: tuple[float, float, float], sign: float) -> None:
+        x = (1.0, obs[0], obs[1])
+        y = obs[2]
+        for i in range(3):
+            self._xy[i] += sign * x[i] * y
+            for j in range(3):
+                self._gram[i][j] += sign * x[i] * x[j]
+        self._yy += sign * y * y
+
+    def _rebuild(self) -> None:
+        self._gram = [[0.0] * 3 for _ in range(3)]
+        self._xy = [0.0] * 3
+        self._yy = 0.0
+        for obs in self._obs:
+            self._accumulate(obs, 1.0)
+        self._since_rebuild = 0
 
     @property
     def num_observations(self) -> int:
         return len(self._obs)
 
-    def coefficients(self) -> tuple[float, float]:
-        """(a, b) in seconds and seconds per token; (1, 0) before any observation."""
+    def coefficients(self) -> tuple[float, float, float]:
+        """(a, b, c): seconds, seconds per token fed, seconds per padded query row."""
         if self._fit is None:
             self._fit = self._solve()
         return self._fit
 
-    def predict(self, tokens: float) -> float:
-        a, b = self.coefficients()
-        return a + b * tokens
+    def predict(self, tokens: float, padded: float) -> float:
+        a, b, c = self.coefficients()
+        return a + b * tokens + c * padded
 
-    def _solve(self) -> tuple[float, float]:
-        n = len(self._obs)
-        if n == 0:
-            return 1.0, 0.0
-        mx = sum(t for t, _ in self._obs) / n
-        my = sum(s for _, s in self._obs) / n
-        sxx = sum((t - mx) ** 2 for t, _ in self._obs)
-        if sxx == 0:
-            return my, 0.0  # no spread in T yet: flat
-        b = sum((t - mx) * (s - my) for t, s in self._obs) / sxx
-        a = my - b * mx
-        if b < 0:
-            return my, 0.0
-        if a < 0:  # through the origin instead
-            return 0.0, sum(t * s for t, s in self._obs) / sum(t * t for t, _ in self._obs)
-        return a, b
+    def _solve(self) -> tuple[float, float, float]:
+        if not self._obs:
+            return 1.0, 0.0, 0.0
+        gram, xy, yy = self._gram, self._xy, self._yy
+        best, best_err = [0.0, 0.0, 0.0], yy  # all-zero coefficients: error Σy²
+        for idx in self._SUBSETS:
+            g = [[gram[i][j] for j in idx] for i in idx]
+            coef = _solve_small(g, [xy[i] for i in idx])
+            if coef is None or min(coef) < 0:
+                continue  # collinear on this window, or infeasible: other subsets cover it
+            fit = sum(c * xy[i] for c, i in zip(coef, idx, strict=True))
+            err = yy - fit  # at the least-squares optimum, Σ(y − xᵀc)² = Σy² − cᵀ Σxy
+            if err < best_err - 1e-9 * yy:  # strictly better, else keep the smaller subset
+                best, best_err = [0.0, 0.0, 0.0], err
+                for c, i in zip(coef, idx, strict=True):
+                    best[i] = c
+        return best[0], best[1], best[2]
+
+
+def _solve_small(g: list[list[float]], h: list[float]) -> list[float] | None:
+    """Solve g·c = h for n ≤ 3 by Cramer's rule; None when g is (nearly) singular."""
+    n = len(h)
+    scale = max(abs(v) for row in g for v in row) or 1.0
+
+    def det(m: list[list[float]]) -> float:
+        if len(m) == 1:
+            return m[0][0]
+        if len(m) == 2:
+            return m[0][0] * m[1][1] - m[0][1] * m[1][0]
+        return (
+            m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
+        )
+
+    d = det(g)
+    if abs(d) <= 1e-10 * scale**n:
+        return None
+    out = []
+    for col in range(n):
+        m = [[h[i] if j == col else g[i][j] for j in range(n)] for i in range(n)]
+        out.append(det(m) / d)
+    return out
 
 
 class RunningMean:
@@ -122,11 +191,13 @@ class EpsilonGreedy:
         self.epsilon = epsilon
         self._rng = random.Random(seed)
         self._values: dict[tuple[int, Arm], RunningMean] = {}
+        self._turn = -1
 
     def choose(self, bucket: int) -> Arm:
-        for arm in self.arms:
-            if (bucket, arm) not in self._values:
-                return arm
+        untried = [arm for arm in self.arms if (bucket, arm) not in self._values]
+        if untried:  # round-robin, so one batch can try them all at once
+            self._turn += 1
+            return untried[self._turn % len(untried)]
         if self._rng.random() < self.epsilon:
             return self.arms[self._rng.randrange(len(self.arms))]
         return max(self.arms, key=lambda arm: self._values[bucket, arm].value)
@@ -140,33 +211,33 @@ class EpsilonGreedy:
 
 
 class SpeculationGate:
-    """On/off from the expected speedup with hysteresis, plus occasional probes while off.
+    """On/off from the expected speedup, with hysteresis (probing is the controller's).
 
     Off as soon as speculation is expected to lose (speedup < 1): a neutral drafter (one that
     rarely finds a draft) must not keep a full batch speculating.  On again only for a clear
     win (speedup > 1 + h), so a batch size near the break-even point does not flap.
     """
 
-    def __init__(self, hysteresis: float = 0.1, probe: float = 0.05, seed: int = 0) -> None:
+    def __init__(self, hysteresis: float = 0.1) -> None:
         self.hysteresis = hysteresis
-        self.probe = probe
         self.on = True
         self.switches = 0
-        self._rng = random.Random(seed)
 
     def decide(self, speedup: float) -> bool:
-        """Update the state from ``speedup`` and say whether this step speculates."""
+        """Update the state from ``speedup``; True while speculation is on."""
         if self.on and speedup < 1:
             self.on, self.switches = False, self.switches + 1
         elif not self.on and speedup > 1 + self.hysteresis:
             self.on, self.switches = True, self.switches + 1
-        return self.on or self._rng.random() < self.probe
+        return self.on
 
 
 @dataclass
 class _ArmShape:
-    emitted: RunningMean  # tokens emitted per verification (τ̂, including k_used = 0 cases)
-    fed: RunningMean  # tokens fed per verification (k_used + 1)
+    """Running means per verification under one arm (cases with k_used = 0 included)."""
+
+    emitted: RunningMean  # tokens emitted: τ̂
+    fed: RunningMean  # tokens fed, k_used + 1
 
 
 class SpecController:
@@ -187,34 +258,48 @@ class SpecController:
         self.arms = tuple(Arm(p, k) for p in proposers for k in k_choices(max_k))
         self.cost = CostModel(cost_window)
         self.bandit = EpsilonGreedy(self.arms, epsilon, seed) if self.arms else None
-        self.gate = SpeculationGate(hysteresis, probe, seed + 1)
+        self.gate = SpeculationGate(hysteresis)
         self.gating = gate
+        self.probe = probe
+        self._plain_run = 0  # plain steps since the last speculative one
         self.spec_steps = 0
         self.plain_steps = 0
         self.selections: dict[str, int] = {str(a): 0 for a in self.arms}
         self._shape = {a: _ArmShape(RunningMean(), RunningMean()) for a in self.arms}
 
     def expected_speedup(self, batch_size: int) -> float:
-        """max over arms of τ̂·t(B)/t(B·(k̂+1)); untried arms count as fully accepted."""
-        plain = self.cost.predict(batch_size)
+        """max over arms of τ̂·t(B, B) / t(B·f̂, B·(k+1)); untried arms count as fully accepted."""
+        plain = self.cost.predict(batch_size, batch_size)
         best = 0.0
         for arm, shape in self._shape.items():
             if shape.emitted.count:
                 tau, fed = shape.emitted.value, shape.fed.value
             else:
                 tau = fed = arm.k + 1.0
-            spec = self.cost.predict(batch_size * fed)
+            spec = self.cost.predict(batch_size * fed, batch_size * (arm.k + 1))
             best = max(best, tau * plain / spec if spec > 0 else float("inf"))
         return best
 
     def plan(self, batch_size: int) -> list[Arm] | None:
-        """Arms for ``batch_size`` sequences this step, or None for a plain step."""
-        speculate = self.bandit is not None and (
-            not self.gating or self.gate.decide(self.expected_speedup(batch_size))
-        )
-        if not speculate:
+        """An arm per sequence for a speculative step, or None for a plain step.
+
+        While the gate is off, one step in ``max(1, (1 − S)/h) / probe`` speculates anyway:
+        acceptance estimates stay fresh (a new epoch, new weights or a shrinking batch can make
+        speculation pay again) at the cost of one speculative step in 1/probe near break-even,
+        fewer where speculation clearly loses.
+        """
+        if self.bandit is None:
             self.plain_steps += 1
             return None
+        speedup = self.expected_speedup(batch_size) if self.gating else float("inf")
+        if not (self.gate.decide(speedup) if self.gating else True):
+            self._plain_run += 1
+            # probe every 1/probe steps near break-even, less often the clearer the loss
+            wait = max(1.0, (1 - speedup) / max(self.gate.hysteresis, 1e-9)) / self.probe
+            if self.probe <= 0 or self._plain_run < wait:
+                self.plain_steps += 1
+                return None
+        self._plain_run = 0
         self.spec_steps += 1
         bucket = batch_bucket(batch_size)
         arms = [self.bandit.choose(bucket) for _ in range(batch_size)]
@@ -224,25 +309,30 @@ class SpecController:
 
     def record(self, batch_size: int, arm: Arm, k_used: int, emitted: int) -> None:
         """One sequence's verification under ``arm``: it drafted ``k_used`` and emitted tokens."""
-        a, b = self.cost.coefficients()
-        share = a / batch_size + b * (k_used + 1)
+        a, b, c = self.cost.coefficients()
+        share = a / batch_size + b * (k_used + 1) + c * (arm.k + 1)
         reward = emitted / share if share > 0 else float(emitted)
         self.bandit.update(batch_bucket(batch_size), arm, reward)
         shape = self._shape[arm]
         shape.emitted.add(emitted)
         shape.fed.add(k_used + 1)
 
-    def record_step(self, tokens: int, seconds: float) -> None:
-        """Time of one decode step (no prefill in it) that fed ``tokens`` to the target."""
-        self.cost.observe(tokens, seconds)
+    def record_step(self, tokens: int, padded: int, seconds: float) -> None:
+        """Time of one decode step (no prefill in it): ``tokens`` fed, ``padded`` query rows."""
+        self.cost.observe(tokens, padded, seconds)
 
     def to_dict(self) -> dict:
-        a, b = self.cost.coefficients()
+        a, b, c = self.cost.coefficients()
         return {
             "gate_on": self.gate.on,
             "gate_switches": self.gate.switches,
-            "spec_steps": self.spec_steps,
+            "spec_steps": self.spec_steps,  # speculative decode steps (probes included)
             "plain_steps": self.plain_steps,
-            "cost_model": {"a_s": a, "b_s_per_token": b, "points": self.cost.num_observations},
+            "cost_model": {
+                "a_s": a,
+                "b_s_per_token": b,
+                "c_s_per_padded_row": c,
+                "points": self.cost.num_observations,
+            },
             "selections": {k: v for k, v in self.selections.items() if v},
         }

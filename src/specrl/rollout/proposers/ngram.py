@@ -32,7 +32,7 @@ class _TokenIndex:
     """End positions of each ``min_n``-gram of a token list, extended incrementally."""
 
     def __init__(self, tokens: list[int], min_n: int) -> None:
-        self.tokens = tokens  # the live list of a running sequence, or a finished copy
+        self.tokens = tokens  # the sequence's own token list (final once it finished)
         self.min_n = min_n
         self.ends: dict[tuple[int, ...], list[int]] = {}
         self.indexed = 0  # n-grams ending before this position are indexed
@@ -65,6 +65,7 @@ class NgramProposer:
 
     name = "ngram"
     tap_layers: tuple[int, ...] = ()
+    state_attrs = ("_history",)  # persisted by RolloutEngine.state_dict (resumable runs)
 
     def __init__(
         self,
@@ -103,7 +104,7 @@ class NgramProposer:
             del self._groups[live.key]
         if self.history_per_prompt <= 0 or not seq.output:
             return
-        done = _TokenIndex(list(seq.tokens), self.min_n)
+        done = live.index  # the finished sequence's tokens no longer change: keep its index
         done.update()
         hist = self._history.get(live.key)
         if hist is None:
