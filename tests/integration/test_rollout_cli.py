@@ -14,8 +14,10 @@ import torch
 
 from specrl.cli.app import main
 from specrl.cli.rollout import build_engine
-from specrl.models.checkpoint import save_model
+from specrl.models.checkpoint import load_model, save_model
 from specrl.models.decoder import Transformer
+from specrl.models.draft import DraftConfig, Eagle3Draft, build_vocab_map, init_draft_weights
+from specrl.models.draft_io import save_draft
 from specrl.models.presets import preset_config
 from specrl.models.tokenizer import char_tokenizer, special_ids
 from specrl.rollout import Request, SamplingParams
@@ -42,10 +44,25 @@ def checkpoint(tmp_path_factory) -> Path:
         eos_token_id=ids["eos"],
         pad_token_id=ids["pad"],
         max_position_embeddings=64,
+        num_hidden_layers=3,  # room for three distinct EAGLE-3 tap layers
     )
     model = Transformer(config).init_weights(1, std=0.2).to(torch.float64)
     path = tmp_path_factory.mktemp("cli") / "target"
     save_model(model, path, tokenizer=tok, dtype=torch.float64)
+    return path
+
+
+@pytest.fixture(scope="module")
+def draft(checkpoint, tmp_path_factory) -> Path:
+    """A random EAGLE-3 draft for the checkpoint, in specrl's draft format."""
+    target = load_model(checkpoint)
+    cfg = DraftConfig.for_target(target.config, draft_vocab_size=40, tap_layers=(0, 1, 2))
+    head = init_draft_weights(Eagle3Draft(cfg), 3, std=0.2).to(torch.float64)
+    counts = torch.arange(target.config.vocab_size) % 7
+    head.set_vocab_map(build_vocab_map(counts, 40))
+    head.refresh_embedding(target.model.embed_tokens.weight)
+    path = tmp_path_factory.mktemp("cli") / "draft"
+    save_draft(head, path, target=target)
     return path
 
 
@@ -105,6 +122,23 @@ def test_rollout_writes_samples_and_a_json_summary(checkpoint, tmp_path, monkeyp
         assert row["finish_reason"] in ("stop", "length")
         assert set(row["spec"]) >= {"tau", "per_position", "drafts", "forwards_per_token"}
     assert not list(out.parent.glob(".*tmp*"))  # the temporary file was renamed away
+
+
+def test_draft_adds_the_eagle3_drafter(checkpoint, draft, tmp_path, monkeypatch, capsys):
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps(r) for r in RECORDS])
+    out = tmp_path / "out.jsonl"
+    args = ["--target", str(checkpoint), "--prompts", str(prompts), "--out", str(out)]
+    opts = ["--draft", str(draft), "--temperature", "0", "--max-tokens", "12", "--json"]
+    code, stdout, _ = _cli(monkeypatch, capsys, "rollout", *args, *opts)
+    assert code == 0
+    summary = json.loads(stdout)
+    assert {arm.split("/")[0] for arm in summary["selections"]} == {"ngram", "eagle3"}
+    engine, _ = build_engine(checkpoint, "none", 4, 4, "cpu", 0)
+    direct = engine.generate([Request(r["prompt"], SamplingParams(12, 0.0)) for r in RECORDS])
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [r["tokens"] for r in rows] == [d.tokens for d in direct]  # lossless under greedy
+    code, _, stderr = _cli(monkeypatch, capsys, "rollout", *args, "--draft", str(tmp_path))
+    assert code == 1 and _flat(stderr).startswith("Error:")
 
 
 def test_human_summary_goes_to_stdout(checkpoint, tmp_path, monkeypatch, capsys):

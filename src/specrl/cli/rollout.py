@@ -42,12 +42,27 @@ KOpt = Annotated[int, typer.Option("--k", min=1, help="Longest draft (tokens per
 BatchOpt = Annotated[
     int, typer.Option("--batch-size", min=1, help="Concurrent sequences (KV-cache slots).")
 ]
+DraftOpt = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--draft",
+        help="specrl EAGLE-3 draft dir (from init-draft / train); adds the 'eagle3' drafter.",
+    ),
+]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the engine (sampling, bandit).")]
 
 
-def build_engine(target: Path, proposers: str, k: int, batch_size: int, device: str, seed: int):
-    """Load the checkpoint and its tokenizer and build a :class:`RolloutEngine`."""
+def build_engine(
+    target: Path,
+    proposers: str,
+    k: int,
+    batch_size: int,
+    device: str,
+    seed: int,
+    draft: Path | None = None,
+):
+    """Load the checkpoint (and a draft) and build a :class:`RolloutEngine` plus its codec."""
     from specrl.core.runtime import pick_device
     from specrl.errors import CheckpointError
     from specrl.models.checkpoint import load_model, load_tokenizer
@@ -61,8 +76,12 @@ def build_engine(target: Path, proposers: str, k: int, batch_size: int, device: 
             f"'{target}' has no tokenizer.json", hint="rollouts encode text prompts with it"
         )
     codec = TextCodec(tok, model.config.bos_token_id, model.config.eos_token_id)
-    names = tuple(p.strip() for p in proposers.split(",") if p.strip())
-    spec = None if names in ((), ("none",)) else SpecConfig(proposers=names, max_k=k)
+    names = tuple(p.strip() for p in proposers.split(",") if p.strip() and p.strip() != "none")
+    options = {}
+    if draft is not None:
+        names = names if "eagle3" in names else (*names, "eagle3")
+        options["eagle3"] = {"path": str(draft)}
+    spec = SpecConfig(proposers=names, max_k=k, proposer_options=options) if names else None
     engine = RolloutEngine(model, codec=codec, max_batch_size=batch_size, spec=spec, seed=seed)
     return engine, codec
 
@@ -125,6 +144,7 @@ def rollout_command(
     top_k: Annotated[int, typer.Option("--top-k", min=0, help="0 = off.")] = 0,
     seed: SeedOpt = 0,
     proposers: ProposersOpt = "ngram",
+    draft: DraftOpt = None,
     k: KOpt = 4,
     batch_size: BatchOpt = 16,
     device: DeviceOpt = "auto",
@@ -143,7 +163,7 @@ def rollout_command(
     from specrl.rollout import Request, SamplingParams
 
     records = read_prompts(prompts)
-    engine, _ = build_engine(target, proposers, k, batch_size, device, seed)
+    engine, _ = build_engine(target, proposers, k, batch_size, device, seed, draft)
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n
     )
@@ -211,6 +231,7 @@ def serve_command(
         ),
     ] = None,
     proposers: ProposersOpt = "ngram",
+    draft: DraftOpt = None,
     k: KOpt = 4,
     batch_size: BatchOpt = 16,
     max_n: Annotated[int, typer.Option("--max-n", min=1, help="Largest n per request.")] = 16,
@@ -237,7 +258,7 @@ def serve_command(
             raise ConfigError(f"token file '{update_token_file}' is empty")
     elif os.environ.get("SPECRL_UPDATE_TOKEN"):
         token = os.environ["SPECRL_UPDATE_TOKEN"].strip()
-    engine, codec = build_engine(target, proposers, k, batch_size, device, seed)
+    engine, codec = build_engine(target, proposers, k, batch_size, device, seed, draft)
     limits = ServerLimits(
         max_body_bytes=max_body_bytes,
         max_prompt_tokens=engine.max_model_len - 1,

@@ -758,9 +758,21 @@ class RolloutEngine:
 
     # ---------------------------------------------------------------------- resumable state
     _STATE_ATTRS = (
-        "controller", "alarm", "_rng", "policy_version", "draft_version", "_next_seq",
-        "_next_request", "_steps", "_prefill_forwards", "_decode_forwards", "_tokens",
-        "_seconds", "_finished", "_spec", "_by_proposer",
+        "controller",
+        "alarm",
+        "_rng",
+        "policy_version",
+        "draft_version",
+        "_next_seq",
+        "_next_request",
+        "_steps",
+        "_prefill_forwards",
+        "_decode_forwards",
+        "_tokens",
+        "_seconds",
+        "_finished",
+        "_spec",
+        "_by_proposer",
     )
 
     def state_dict(self) -> dict[str, Any]:
@@ -785,7 +797,9 @@ class RolloutEngine:
         for name, attrs in state.get("proposer_state", {}).items():
             p = self.proposers.get(name)
             if p is None:
-                raise ConfigError(f"saved engine state has proposer {name!r}, which this engine "
-                                  "lacks", hint="resume with the recipe the run was started with")
+                raise ConfigError(
+                    f"saved engine state has proposer {name!r}, which this engine lacks",
+                    hint="resume with the recipe the run was started with",
+                )
             for a, v in attrs.items():
                 setattr(p, a, restore(v, getattr(p, a)))
