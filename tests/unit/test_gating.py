@@ -222,11 +222,25 @@ class Oracle:
         pass
 
 
+class SlowOracle(Oracle):
+    """The same perfect drafts, at a (virtual) price per propose call."""
+
+    name = "test-gating-slow-oracle"
+    clock: VirtualClock | None = None  # set by the test: propose advances it
+    price = 0.0
+
+    def propose(self, batch, ks):
+        SlowOracle.clock.now += SlowOracle.price
+        return super().propose(batch, ks)
+
+
 register_proposer("test-gating-oracle", lambda ctx: Oracle(ctx.target), replace=True)
+register_proposer("test-gating-slow-oracle", lambda ctx: SlowOracle(ctx.target), replace=True)
 
 
-def _virtual_run(model, spec, a, b, prompts, max_tokens=24):
+def _virtual_run(model, spec, a, b, prompts, max_tokens=24, draft_price=0.0):
     clock = VirtualClock(a, b)
+    SlowOracle.clock, SlowOracle.price = clock, draft_price
     engine = RolloutEngine(model, max_batch_size=len(prompts), spec=spec, clock=clock, seed=5)
     handle = model.register_forward_hook(clock.hook)
     try:
@@ -268,6 +282,27 @@ def test_engine_gate_keeps_speculation_where_it_pays(model):
     assert tokens == plain_tokens
     assert stats["gating"]["plain_steps"] == 0
     assert gated_t < 0.5 * plain_t
+
+
+def test_engine_gate_turns_off_a_drafter_that_costs_more_than_it_saves(model):
+    a, b = 10e-3, 1e-5  # latency-bound: free drafts would pay (previous test) ...
+    always = SpecConfig(proposers=("test-gating-slow-oracle",), max_k=4, gate=False)
+    _, always_t, _ = _virtual_run(model, always, a, b, PROMPTS[:8], draft_price=0.2)
+    gated = SpecConfig(proposers=("test-gating-slow-oracle",), max_k=4)
+    _, gated_t, stats = _virtual_run(model, gated, a, b, PROMPTS[:8], draft_price=0.2)
+    assert stats["spec"]["acceptance_rate"] == 1.0  # ... and every draft is right, but
+    assert not stats["gating"]["gate_on"]  # drafting at 0.2 s a call costs more than it saves
+    assert stats["gating"]["plain_steps"] > 3 * stats["gating"]["spec_steps"]
+    assert gated_t < 0.3 * always_t
+
+
+def test_every_decode_step_feeds_the_cost_model(model):
+    spec = SpecConfig(proposers=("ngram",), max_k=2)
+    engine = RolloutEngine(model, max_batch_size=3, spec=spec, clock=VirtualClock(0, 0))
+    engine.generate([Request(p, SamplingParams(max_tokens=10, temperature=0)) for p in PROMPTS[:7]])
+    s = engine.stats()
+    assert s["prefill_forwards"] > 1  # steps with admissions are measured too (prefill excluded)
+    assert s["gating"]["cost_model"]["points"] == s["decode_forwards"]
 
 
 def test_engine_decisions_are_deterministic_with_injected_timings(model):

@@ -137,10 +137,30 @@ class _Launch:
     arms: list[Arm | None]  # per sequence: the bandit arm when speculating
     caps: list[int]  # per sequence: the draft length it was allowed
     num_rows: list[int]  # per sequence: verified (logit) rows, k + 1
+    draft_seconds: list[float] = field(default_factory=list)  # per sequence: drafting time
     input_starts: list[int] = field(default_factory=list)  # first packed row of each ``fed``
     tensors: dict[str, Any] = field(default_factory=dict)  # device inputs
     out: dict[str, Any] = field(default_factory=dict)  # device outputs
     k1: int = 1  # K + 1, width of the padded [B, K+1] tables
+
+
+class _Stopwatch:
+    """Times queued device work without a host sync: the engine clock where work runs on the
+    host (CPU), CUDA events on a GPU (read once the step's single sync has happened)."""
+
+    def __init__(self, device: torch.device, clock: Callable[[], float]) -> None:
+        self.events = device.type == "cuda"
+        self.clock = clock
+
+    def mark(self) -> Any:
+        if not self.events:
+            return self.clock()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, stop: Any) -> float:
+        return start.elapsed_time(stop) / 1e3 if self.events else stop - start
 
 
 class RolloutEngine:
@@ -168,6 +188,7 @@ class RolloutEngine:
         self.max_model_len = max_model_len or model.config.max_position_embeddings
         self.cache = model.new_cache(max_batch_size, self.max_model_len)
         self.clock = clock
+        self._stopwatch = _Stopwatch(self.device, clock)
         if eos_token_ids is None:
             eos = codec.eos_ids if codec is not None else model.config.eos_token_id
             eos_token_ids = (
@@ -317,15 +338,18 @@ class RolloutEngine:
         t0 = self.clock()
         decoding = [s for s in self._running if s.kv_len > 0]
         admitted = self._admit()
-        launches: list[_Launch] = []
-        if decoding:
-            launches.append(self._plan_decode(decoding))
-        if admitted:
-            launches.insert(0, self._plan_prefill(admitted))
-        for launch in launches:  # every host→device input first, then the forwards
-            self._prepare(launch)
-        for launch in launches:
-            self._run(launch)
+        decode = self._plan_decode(decoding) if decoding else None  # proposers run (timed) here
+        prefill = self._plan_prefill(admitted) if admitted else None
+        launches = [launch for launch in (prefill, decode) if launch is not None]
+        if decode is not None:  # host→device inputs before any forward is queued
+            self._prepare(decode)
+        if prefill is not None:
+            start = self._stopwatch.mark()
+            self._prepare(prefill)
+            self._run(prefill)
+            stop = self._stopwatch.mark()
+        if decode is not None:
+            self._run(decode)
         host = self._read_back(launches)  # the step's only device→host transfer
         finished: list[Result] = []
         for launch, values in zip(launches, host, strict=True):
@@ -333,12 +357,14 @@ class RolloutEngine:
         seconds = self.clock() - t0
         self._steps += 1
         self._seconds += seconds
-        if decoding and not admitted:
-            decode = launches[-1]
+        if decode is not None:
+            # the target's decode share of the step: without the prefill and the drafting
+            target = seconds - sum(decode.draft_seconds)
+            if prefill is not None:
+                target -= self._stopwatch.seconds(start, stop)
             padded = len(decode.seqs) * max(decode.num_rows)
-            self.controller.record_step(sum(decode.num_rows), padded, seconds)
-        if decoding:
-            self._learn(launches[-1], host[-1])
+            self.controller.record_step(sum(decode.num_rows), padded, target)
+            self._learn(decode, host[-1])
         return finished
 
     def _admit(self) -> list[SeqState]:
@@ -377,6 +403,7 @@ class RolloutEngine:
         arms = self.controller.plan(len(seqs))
         drafts = [Draft([]) for _ in seqs]
         caps = [0] * len(seqs)
+        draft_seconds = [0.0] * len(seqs)  # each sequence's share of its proposer's call
         if arms is not None:
             asked: dict[str, list[int]] = {}
             for b, (seq, arm) in enumerate(zip(seqs, arms, strict=True)):
@@ -385,13 +412,17 @@ class RolloutEngine:
                 if caps[b] > 0:
                     asked.setdefault(arm.proposer, []).append(b)
             for name, idx in asked.items():
+                t0 = self.clock()
                 got = self.proposers[name].propose([seqs[b] for b in idx], [caps[b] for b in idx])
+                spent = self.clock() - t0
                 if len(got) != len(idx):
                     raise RuntimeError(
                         f"proposer {name!r} returned {len(got)} drafts for {len(idx)}"
                     )
+                asked_tokens = sum(caps[b] for b in idx)
                 for b, draft in zip(idx, got, strict=True):
                     drafts[b] = self._checked(name, draft, caps[b])
+                    draft_seconds[b] = spent * caps[b] / asked_tokens
         return _Launch(
             prefill=False,
             seqs=seqs,
@@ -402,6 +433,7 @@ class RolloutEngine:
             arms=list(arms) if arms is not None else [None] * len(seqs),
             caps=caps,
             num_rows=[len(d.tokens) + 1 for d in drafts],
+            draft_seconds=draft_seconds,
         )
 
     def _checked(self, name: str, draft: Draft, cap: int) -> Draft:
@@ -675,7 +707,8 @@ class RolloutEngine:
             if arm is None or launch.caps[b] <= 0:
                 continue
             k_used = launch.num_rows[b] - 1
-            self.controller.record(batch, arm, k_used, host["num_accepted"][b] + 1)
+            emitted = host["num_accepted"][b] + 1
+            self.controller.record(batch, arm, k_used, emitted, launch.draft_seconds[b])
 
     # ---------------------------------------------------------------------- weights, stats
     def update_weights(

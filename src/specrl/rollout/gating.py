@@ -6,21 +6,23 @@ one), a large one makes it compute-bound (k + 1 tokens cost about k + 1 times as
 small pieces decide, all online, all deterministic given a seed and the measured step times
 (the clock is injected into the engine, so tests feed synthetic timings):
 
-- :class:`CostModel`: step time from the tokens in the target forward T and its padded query
-  rows P = B·max(k + 1), t = a + b·T + c·P, non-negative least squares over the last ``window``
+- :class:`CostModel`: the target's share of a decode step (step time minus the measured time of
+  the proposers' ``propose`` calls) from the tokens fed T and the padded query rows
+  P = B·max(k + 1), t = a + b·T + c·P, non-negative least squares over the last ``window``
   decode steps (P matters for attention kernels that pad every sequence to the longest one; a
   varlen kernel fits c ≈ 0).  Flat before the data has spread (optimistic: speculation is tried).
+  Drafting time is tracked apart, per arm and batch-size bucket, in seconds per sequence.
 - :class:`EpsilonGreedy`: per request and step, which arm (proposer, k) drafts, bucketed by
   batch size (buckets 1, 2–3, 4–7, …); ε-greedy (TLT's choice, ε = 0.1).  Reward of one
-  verification = tokens emitted / its share of the step cost, a/B + b·(k_used + 1) + c·(k + 1),
-  so a long k wins in the latency-bound tail and a short one (or none, via the gate) in a full
-  batch.
+  verification = tokens emitted / its share of the step cost, a/B + b·(k_used + 1) + c·(k + 1)
+  + its drafting time, so a long k wins in the latency-bound tail, a short one (or none, via the
+  gate) in a full batch, and an expensive drafter only where its acceptance pays for it.
 - :class:`SpeculationGate`: speculation on or off for the step, from the expected speedup
-  S(B) = max over arms of τ̂·t(B, B) / t(B·f̂, B·(k + 1)) (τ̂ tokens emitted and f̂ fed per
-  verification, running means per arm) with hysteresis: off below 1, on again above 1 + h.
-  While off, one step in about 1/probe still speculates, so the estimates stay fresh (a whole
-  step, not a few sequences per step: with a padding kernel one drafting sequence makes the
-  whole batch pay for k + 1 query rows).
+  S(B) = max over arms of τ̂·t(B, B) / (t(B·f̂, B·(k + 1)) + B·d̂) (τ̂ tokens emitted and f̂ fed
+  per verification, d̂ drafting seconds per sequence) with hysteresis: off below 1, on again
+  above 1 + h.  Probes keep both sides measured: while off, about one step in 1/probe still
+  speculates (a whole step, not a few sequences: with a padding kernel one drafting sequence
+  makes the whole batch pay for k + 1 query rows); while on, about one in 1/probe runs plain.
 
 :class:`SpecController` ties them together for the engine.
 """
@@ -262,14 +264,18 @@ class SpecController:
         self.gating = gate
         self.probe = probe
         self._plain_run = 0  # plain steps since the last speculative one
+        self._spec_run = 0  # speculative steps since the last plain one
         self.spec_steps = 0
         self.plain_steps = 0
         self.selections: dict[str, int] = {str(a): 0 for a in self.arms}
         self._shape = {a: _ArmShape(RunningMean(), RunningMean()) for a in self.arms}
+        self._draft: dict[tuple[int, Arm], RunningMean] = {}  # drafting seconds per sequence
 
     def expected_speedup(self, batch_size: int) -> float:
-        """max over arms of τ̂·t(B, B) / t(B·f̂, B·(k+1)); untried arms count as fully accepted."""
+        """max over arms of τ̂·t(B, B) / (t(B·f̂, B·(k+1)) + B·d̂): τ̂ tokens emitted, f̂ fed and
+        d̂ drafting seconds per sequence; untried arms count as fully accepted and free."""
         plain = self.cost.predict(batch_size, batch_size)
+        bucket = batch_bucket(batch_size)
         best = 0.0
         for arm, shape in self._shape.items():
             if shape.emitted.count:
@@ -277,28 +283,51 @@ class SpecController:
             else:
                 tau = fed = arm.k + 1.0
             spec = self.cost.predict(batch_size * fed, batch_size * (arm.k + 1))
+            spec += batch_size * self.draft_seconds(bucket, arm)
             best = max(best, tau * plain / spec if spec > 0 else float("inf"))
         return best
+
+    def draft_seconds(self, bucket: int, arm: Arm) -> float:
+        """Drafting time per sequence of ``arm`` at this batch-size bucket.
+
+        Measured where known; else taken from the nearest measured bucket assuming the whole
+        propose call costs the same (per sequence ×2 per bucket down, ÷2 per bucket up); 0 when
+        ``arm`` was never measured.
+        """
+        v = self._draft.get((bucket, arm))
+        if v is not None:
+            return v.value
+        known = [b for (b, a) in self._draft if a == arm]
+        if not known:
+            return 0.0
+        near = min(known, key=lambda b: (abs(b - bucket), b))
+        return self._draft[near, arm].value * 2.0 ** (near - bucket)
 
     def plan(self, batch_size: int) -> list[Arm] | None:
         """An arm per sequence for a speculative step, or None for a plain step.
 
-        While the gate is off, one step in ``max(1, (1 − S)/h) / probe`` speculates anyway:
-        acceptance estimates stay fresh (a new epoch, new weights or a shrinking batch can make
-        speculation pay again) at the cost of one speculative step in 1/probe near break-even,
-        fewer where speculation clearly loses.
+        Probes keep both sides of the comparison measured.  While the gate is off, one step in
+        ``max(1, (1 − S)/h) / probe`` speculates anyway (acceptance estimates stay fresh: a new
+        epoch, new weights or a shrinking batch can make speculation pay again; rarer the
+        clearer the loss).  While it is on, one step in ``1/probe`` runs plain, whatever S says:
+        S itself depends on the plain step time t(B, B), which must be measured, not
+        extrapolated from speculative steps.
         """
         if self.bandit is None:
             self.plain_steps += 1
             return None
-        speedup = self.expected_speedup(batch_size) if self.gating else float("inf")
-        if not (self.gate.decide(speedup) if self.gating else True):
-            self._plain_run += 1
-            # probe every 1/probe steps near break-even, less often the clearer the loss
-            wait = max(1.0, (1 - speedup) / max(self.gate.hysteresis, 1e-9)) / self.probe
-            if self.probe <= 0 or self._plain_run < wait:
-                self.plain_steps += 1
-                return None
+        if self.gating:
+            speedup = self.expected_speedup(batch_size)
+            h = max(self.gate.hysteresis, 1e-9)
+            if self.gate.decide(speedup):
+                self._spec_run += 1
+                if self.probe > 0 and self._spec_run >= 1 / self.probe:
+                    return self._plain()
+            else:
+                self._plain_run += 1
+                wait = max(1.0, (1 - speedup) / h) / self.probe if self.probe > 0 else float("inf")
+                if self._plain_run < wait:
+                    return self._plain()
         self._plain_run = 0
         self.spec_steps += 1
         bucket = batch_bucket(batch_size)
@@ -307,18 +336,29 @@ class SpecController:
             self.selections[str(a)] += 1
         return arms
 
-    def record(self, batch_size: int, arm: Arm, k_used: int, emitted: int) -> None:
-        """One sequence's verification under ``arm``: it drafted ``k_used`` and emitted tokens."""
+    def _plain(self) -> None:
+        self._spec_run = 0
+        self.plain_steps += 1
+        return None
+
+    def record(
+        self, batch_size: int, arm: Arm, k_used: int, emitted: int, draft_seconds: float = 0.0
+    ) -> None:
+        """One sequence's verification under ``arm``: it drafted ``k_used`` tokens (its share of
+        the proposer's time was ``draft_seconds``) and emitted ``emitted`` tokens."""
+        bucket = batch_bucket(batch_size)
+        self._draft.setdefault((bucket, arm), RunningMean()).add(draft_seconds)
         a, b, c = self.cost.coefficients()
-        share = a / batch_size + b * (k_used + 1) + c * (arm.k + 1)
+        share = a / batch_size + b * (k_used + 1) + c * (arm.k + 1) + draft_seconds
         reward = emitted / share if share > 0 else float(emitted)
-        self.bandit.update(batch_bucket(batch_size), arm, reward)
+        self.bandit.update(bucket, arm, reward)
         shape = self._shape[arm]
         shape.emitted.add(emitted)
         shape.fed.add(k_used + 1)
 
     def record_step(self, tokens: int, padded: int, seconds: float) -> None:
-        """Time of one decode step (no prefill in it): ``tokens`` fed, ``padded`` query rows."""
+        """Target time of one decode step (no prefill in it, drafting time taken out):
+        ``tokens`` fed, ``padded`` query rows."""
         self.cost.observe(tokens, padded, seconds)
 
     def to_dict(self) -> dict:
