@@ -1,0 +1,533 @@
+"""The pipelined policy step with EAGLE-3 draft co-training on the last stage.
+
+The policy is split into pipeline stages (:mod:`specrl.core.pipeline`) and run by a
+``torch.distributed.pipelining`` schedule (GPipe, 1F1B, Interleaved1F1B).  With a draft, every
+stage that owns a tap layer sends it through a :class:`~specrl.core.transport.TapChannel` from
+inside its forward (non-blocking).  The last stage's loss function computes the policy loss of
+the microbatch and then, separately, collects that microbatch's taps and runs the draft's TTT
+forward and backward with the microbatch's own final logits (detached) as the teacher.  The
+draft's graph starts at detached taps and a detached teacher, so its gradients never enter the
+policy's backward; the draft has its own optimizer.  The schedule, the tensors it moves and their
+order are those of the draft-free run: with and without the draft the policy's loss and
+gradients are bit-identical.
+
+Packed microbatches through a schedule.  Pipelining moves fixed-shape tensors, so each
+microbatch is padded to a fixed token budget ``microbatch_tokens`` by one filler sequence (its own
+segment with loss mask 0: real tokens never attend to it).  Under context parallelism every
+sequence is zigzag-padded to a multiple of 2·cp first and the budget splits into cp equal shards.
+The layout (cu_seqlens, global position ids) has a different length per microbatch and cannot
+ride the schedule as a tensor, so every rank of a pipeline builds the same per-step side table
+from the same microbatches (the data loader hands the whole step to every rank of a pipeline),
+keyed by microbatch index.  The index travels inside the schedule itself: a keyword input
+``mb = arange(n)`` and the loss target ``arange(n)``, which the schedule chunks like any other
+input.  Nothing extra passes between stages.
+
+Losses and reductions (the single-process run over the same microbatches is reproduced exactly):
+
+- policy: ``loss_fn(logits, tokens)`` returns the sum over this rank's rows; the step divides by
+  the global count of loss tokens (every microbatch, every data-parallel replica), so the sum
+  over microbatches and ranks is the global token mean.  Gradients: all-reduce (sum) over dp × cp.
+- draft: per microbatch the TTT loss (its token counts reduced over cp), weighted 1/(n · dp):
+  the mean over microbatches and replicas.  Gradients: all-reduce over dp × cp of the last stage.
+
+Usage (every rank; the same microbatches on every rank of a pipeline)::
+
+    groups = ParallelDims(world_size=8, dp=2, cp=2, pp=2).build_groups()
+    draft = build_draft() if PipelineCotrainer.hosts_draft(groups) else None
+    trainer = PipelineCotrainer(policy, groups, CotrainConfig(schedule="1f1b"),
+                                num_microbatches=4, tap_layers=draft_cfg.tap_layers, draft=draft)
+    policy_opt = torch.optim.AdamW(trainer.policy_parameters())
+    draft_opt = torch.optim.AdamW(draft.parameters()) if draft is not None else None
+    for step in ...:
+        stats = trainer.step(microbatches, policy_optimizer=policy_opt, draft_optimizer=draft_opt)
+
+Simplifications: the filler sequence costs attention over its own length (pack microbatches
+close to the budget); under CP the TTT teacher shift gathers the microbatch's teacher rows over
+the cp group once (O(T·V_draft) per rank) instead of a k-row halo exchange.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from specrl.core.attention import CPContext, PackedLayout, attention
+from specrl.core.attention.ttt import Mode
+from specrl.core.attention.zigzag import ZigzagPlan, shift_within_sequences
+from specrl.core.parallel import ParallelGroups
+from specrl.core.pipeline import (
+    ScheduleKind,
+    StageLayout,
+    StageModule,
+    build_schedule,
+    make_stage,
+    split_model,
+    tap_slot_depth,
+)
+from specrl.core.transport import TapChannel, TapPlan, TapSpec, TapStats
+from specrl.errors import LayoutError
+from specrl.models.decoder import Attention, Transformer, apply_rope
+from specrl.models.draft import Eagle3Draft
+from specrl.train.ttt import LossKind, TTTInputs, teacher_from_logits, ttt_inputs, ttt_loss
+
+# logits [T, V] and the microbatch's per-token tensors ([T] each: "labels", "loss_mask" and the
+# microbatch's extra fields) → Σ of the per-token losses over this rank's rows (scalar)
+TokenLoss = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
+
+
+def masked_cross_entropy(logits: torch.Tensor, tokens: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Σ_t loss_mask[t] · CE(logits[t], labels[t]): next-token cross-entropy on learned rows."""
+    ce = F.cross_entropy(logits, tokens["labels"], reduction="none")  # [T]
+    return (ce * tokens["loss_mask"].to(ce.dtype)).sum()
+
+
+@dataclass
+class PackedMicrobatch:
+    """One packed microbatch as the data loader hands it over (global, unsharded)."""
+
+    ids: torch.Tensor  # [T] int64 token ids of the sequences laid end to end
+    lengths: list[int]  # sequence lengths (Σ = T)
+    loss_mask: torch.Tensor  # [T] 1 where the prediction made at row t (of token t + 1) is learned
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)  # [T] extras for loss_fn
+
+
+@dataclass(frozen=True)
+class CotrainConfig:
+    """How the pipelined step runs."""
+
+    schedule: ScheduleKind = "1f1b"
+    """pipeline schedule: gpipe, 1f1b or interleaved (needs virtual_stages ≥ 2)"""
+    microbatch_tokens: int = 4096
+    """fixed token budget of every microbatch before CP sharding (a multiple of 2·cp)"""
+    ttt_steps: int = 3
+    """unrolled TTT steps of the draft"""
+    ttt_loss: LossKind = "ce"
+    """draft loss: soft cross-entropy (ce) or total variation (tv)"""
+    ttt_decay: float = 0.8
+    """weight of TTT step k is decay**k"""
+    ttt_mode: Mode = "ring"
+    """how the draft's main K/V travel under CP: ring, ring_once or gather"""
+    tap_timeout: float = 300.0
+    """seconds a TapChannel wait may take before the step fails naming the silent peer"""
+    policy_grad_clip: float = 0.0
+    """global gradient-norm clip of the policy across all stages (0: off)"""
+    draft_grad_clip: float = 0.0
+    """gradient-norm clip of the draft (0: off)"""
+    pad_id: int = 0
+    """token id of filler rows"""
+
+
+@dataclass
+class CotrainStats:
+    """One step, identical on every rank of a pipeline."""
+
+    policy_loss: float  # global token-mean policy loss
+    tokens: int  # global loss tokens (the policy loss normalizer)
+    draft_loss: float | None  # mean TTT loss over microbatches and replicas (None: no draft)
+    draft_acc: list[float]  # top-1 agreement with the teacher per TTT step
+    policy_grad_norm: float | None  # before clipping (None without a policy optimizer)
+    draft_grad_norm: float | None
+    seconds: float  # wall time of the whole step on this rank
+    draft_seconds: float  # this rank's draft TTT compute (forward + backward; 0 off the last stage)
+    tap: TapStats | None  # this rank's TapChannel traffic (None: no draft)
+
+    @property
+    def draft_tau(self) -> float:
+        """Simulated acceptance length 1 + Σ_k Π_{j≤k} acc_j."""
+        tau, run = 1.0, 1.0
+        for a in self.draft_acc:
+            run *= a
+            tau += run
+        return tau
+
+
+class _RingAttention(Attention):
+    """The decoder's attention with its packed attention over the CP ring.
+
+    :func:`use_context_parallel` swaps this class into existing modules (parameters, names and
+    the math before and after the attention call are the decoder's)."""
+
+    cp: CPContext
+
+    def forward(self, x, cos, sin, layout, cache=None, backend="sdpa"):
+        if cache is not None:
+            raise ValueError("a context-parallel model trains only; it has no KV cache")
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attention(q, k, v, layout, backend=backend, window=self.window, cp=self.cp)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+def use_context_parallel(model: Transformer, cp: CPContext) -> None:
+    """Route every attention layer of ``model`` (or chunk) over the ring of ``cp`` (in place)."""
+    for i in model.layer_ids:
+        attn = model.layer(i).self_attn
+        attn.__class__ = _RingAttention
+        attn.cp = cp
+
+
+@dataclass
+class _Row:
+    """This rank's view of one microbatch: the side-table entry keyed by its index."""
+
+    ids: torch.Tensor  # [T_loc] ids incl. filler (zigzag shard under CP)
+    layout: PackedLayout  # [T_loc] tokens: real sequences then the filler
+    tokens: dict[str, torch.Tensor]  # [T_loc] labels, loss_mask, fields
+    rows: int  # leading rows of T_loc that are real tokens (what the draft sees)
+    draft_layout: PackedLayout  # layout of those rows
+    ttt: TTTInputs | None  # [K, rows] step ids / masks (draft ranks)
+    real_plan: ZigzagPlan | None  # zigzag plan of the real tokens (CP teacher shift)
+    real_layout: PackedLayout  # global layout of the real tokens
+
+
+class _GatheredShift:
+    """``shift(x, n)`` for :func:`ttt_loss` under CP: the teacher rows are gathered over the cp
+    group once per tensor, shifted within their global sequences, and sharded back."""
+
+    def __init__(self, plan: ZigzagPlan, layout: PackedLayout, cp: CPContext) -> None:
+        self.plan, self.layout, self.cp = plan, layout, cp
+        self._full: list[tuple[torch.Tensor, torch.Tensor]] = []  # (local, global) pairs
+
+    def __call__(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        full = next((g for local, g in self._full if local is x), None)
+        if full is None:
+            gathered = x.new_empty((self.cp.size * x.shape[0], *x.shape[1:]))
+            dist.all_gather_into_tensor(gathered, x.contiguous(), group=self.cp.group)
+            full = self.plan.unshard(gathered)  # [T_real, ...] in global order
+            self._full.append((x, full))
+        return self.plan.shard(shift_within_sequences(full, self.layout, n, 0))
+
+
+def _sum_over(group: dist.ProcessGroup) -> Callable[[torch.Tensor], torch.Tensor]:
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=group)
+        return t
+
+    return reduce
+
+
+def _all_reduce_grads(params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Sum the gradients of ``params`` over ``group`` in one flat collective."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+class PipelineCotrainer:
+    """One pipeline-parallel policy update per :meth:`step`, the draft co-trained on the side."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        groups: ParallelGroups,
+        config: CotrainConfig,
+        *,
+        num_microbatches: int,
+        tap_layers: Sequence[int] = (),
+        draft: Eagle3Draft | None = None,
+        loss_fn: TokenLoss = masked_cross_entropy,
+    ) -> None:
+        """``model``: the whole policy on every rank (this rank keeps its chunks' modules);
+        ``tap_layers``: the draft's tap layers on every rank (empty: no co-training);
+        ``draft``: the draft on the ranks of the last stage (:meth:`hosts_draft`), else None."""
+        dims = self.dims = groups.dims
+        self.groups, self.config, self.loss_fn = groups, config, loss_fn
+        self.n_microbatches = num_microbatches
+        if draft is not None and not tap_layers:
+            tap_layers = draft.config.tap_layers
+        self.tap_layers = tuple(tap_layers)
+        budget, cp = config.microbatch_tokens, dims.cp
+        if budget < 1 or (cp > 1 and budget % (2 * cp)):
+            raise LayoutError(
+                f"microbatch_tokens = {budget} must be a positive multiple of 2·cp = {2 * cp}"
+            )
+        self.local_tokens = budget // cp
+        dims.check_layers(model.config.num_hidden_layers)
+        self.layout = StageLayout.balanced(
+            model.config.num_hidden_layers, dims.pp, dims.virtual_stages
+        )
+        pp_rank = groups.coords.pp
+        self.cp = CPContext.from_group(groups["cp"]) if cp > 1 else CPContext(None)
+        self.modules: list[StageModule] = []
+        for s, chunk in zip(
+            self.layout.rank_stages(pp_rank), split_model(model, self.layout, pp_rank), strict=True
+        ):
+            if cp > 1:
+                use_context_parallel(chunk, self.cp)
+            self.modules.append(StageModule(chunk, s, self.layout.num_stages, self.tap_layers))
+        self.device = model.device
+        self.stages = [
+            make_stage(m, self.local_tokens, groups["pp"], self.device) for m in self.modules
+        ]
+        self.schedule = build_schedule(
+            config.schedule, self.stages, num_microbatches, self._microbatch_loss
+        )
+        self.is_last = any(m.is_last for m in self.modules)
+        self.is_first = any(m.is_first for m in self.modules)
+        self.draft = draft if self.is_last else None
+        if self.is_last and self.tap_layers and draft is None:
+            raise ValueError("this rank runs the last stage: pass the draft to co-train")
+        if draft is not None and tuple(draft.config.tap_layers) != self.tap_layers:
+            raise ValueError(
+                f"tap_layers {self.tap_layers} differ from the draft's {draft.config.tap_layers}"
+            )
+        self.channel: TapChannel | None = None
+        if self.tap_layers:
+            plan = TapPlan.build(self.tap_layers, self.layout.stage_layers, self.layout.stage_ranks)
+            order = self.schedule.pipeline_order
+            depth = {
+                s: tap_slot_depth(order, s, plan.stage_ranks[s], num_microbatches)
+                for s in plan.remote_stages
+            }
+            spec = TapSpec(model.config.hidden_size, model.dtype, self.local_tokens, self.device)
+            self.channel = TapChannel.create(
+                plan, spec, dims.group_ranks("pp"), depth=depth, timeout=config.tap_timeout
+            )
+            for m in self.modules:
+                m.channel = self.channel
+        self._table: list[_Row] = []
+        self._normalizer = 1.0
+        self._policy_sums: list[torch.Tensor] = []
+        self._draft_sums: list[torch.Tensor] = []  # [1 + 2K]: scaled loss, hits, counts
+        self._draft_seconds = 0.0
+
+    @staticmethod
+    def hosts_draft(groups: ParallelGroups) -> bool:
+        """Whether this rank runs the last stage (where the draft trains)."""
+        return groups.coords.pp == groups.dims.pp - 1
+
+    def policy_parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's policy parameters (its chunks), for its optimizer."""
+        seen: dict[int, torch.nn.Parameter] = {}
+        for m in self.modules:
+            for p in m.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    # ---------------------------------------------------------------------- the step
+    def step(
+        self,
+        microbatches: Sequence[PackedMicrobatch],
+        *,
+        policy_optimizer: torch.optim.Optimizer | None = None,
+        draft_optimizer: torch.optim.Optimizer | None = None,
+    ) -> CotrainStats:
+        """Forward and backward of this replica's microbatches through the pipeline (the draft
+        trained on the last stage), gradients reduced over dp × cp, then — when given — the
+        policy optimizer (over :meth:`policy_parameters`) and the draft optimizer (draft ranks)
+        step after their gradient clips.  Gradients stay in ``.grad`` until the next step."""
+        t0 = time.perf_counter()
+        if len(microbatches) != self.n_microbatches:
+            raise ValueError(
+                f"the schedule runs {self.n_microbatches} microbatches, got {len(microbatches)}"
+            )
+        params = self.policy_parameters()
+        for p in params:
+            p.grad = None
+        if self.draft is not None:
+            self.draft.zero_grad(set_to_none=True)
+        self._table = [self._prepare(mb) for mb in microbatches]
+        count = torch.tensor(
+            [float(mb.loss_mask.sum()) for mb in microbatches], dtype=torch.float64
+        ).sum()
+        if self.dims.dp > 1:
+            dist.all_reduce(count, group=self.groups["dp"])
+        self._normalizer = max(float(count), 1.0)
+        self._policy_sums, self._draft_sums, self._draft_seconds = [], [], 0.0
+        for m in self.modules:
+            m.set_microbatches([r.layout for r in self._table], [r.rows for r in self._table])
+        if self.channel is not None:
+            self.channel.begin_step([r.rows for r in self._table])
+
+        index = torch.arange(self.n_microbatches)  # [n] microbatch ids, chunked by the schedule
+        args = (torch.cat([r.ids for r in self._table]),) if self.is_first else ()
+        self.schedule.step(
+            *args, target=index if self.is_last else None, mb=index, return_outputs=False
+        )
+        tap_stats = self.channel.end_step() if self.channel is not None else None
+
+        same_params = self.groups["dp_cp"]
+        if self.dims.dp * self.dims.cp > 1:
+            _all_reduce_grads(params, same_params)
+            if self.draft is not None:
+                _all_reduce_grads(list(self.draft.parameters()), same_params)
+        policy_norm = draft_norm = None
+        if policy_optimizer is not None:
+            policy_norm = self._clip_policy(params)
+            policy_optimizer.step()
+        if draft_optimizer is not None and self.draft is not None:
+            trainable = [p for p in self.draft.parameters() if p.requires_grad]
+            clip = self.config.draft_grad_clip or float("inf")
+            draft_norm = float(torch.nn.utils.clip_grad_norm_(trainable, clip))
+            draft_optimizer.step()
+        stats = self._gather_stats(policy_norm, draft_norm)
+        optional = lambda x: None if math.isnan(x) else x
+        return CotrainStats(
+            policy_loss=stats[0],
+            tokens=int(count),
+            draft_loss=stats[1] if self.tap_layers else None,
+            draft_acc=stats[4:] if self.tap_layers else [],
+            policy_grad_norm=optional(stats[2]),
+            draft_grad_norm=optional(stats[3]),
+            seconds=time.perf_counter() - t0,
+            draft_seconds=self._draft_seconds,
+            tap=tap_stats,
+        )
+
+    # --------------------------------------------------------------- the last stage
+    def _microbatch_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function: policy loss of one microbatch; trains the draft on it.
+
+        logits: [T_loc, V] of the microbatch; target: [1] its index (see the module doc)."""
+        m = int(target[0])
+        row = self._table[m]
+        policy_sum = self.loss_fn(logits, row.tokens)
+        self._policy_sums.append(policy_sum.detach())
+        if self.channel is not None:
+            self._train_draft(m, row, logits)
+        return policy_sum / self._normalizer
+
+    def _train_draft(self, m: int, row: _Row, logits: torch.Tensor) -> None:
+        draft, cfg = self.draft, self.config
+        taps = self.channel.collect(m)  # {layer: [rows, H]}, waits only for what has not landed
+        t0 = time.perf_counter()
+        feats = Eagle3Draft.concat_taps(taps, self.tap_layers)  # [rows, 3H]
+        cp = self.cp if self.cp.size > 1 else None
+        out = draft.ttt_forward(feats, row.ttt.step_ids, row.draft_layout, cp=cp, mode=cfg.ttt_mode)
+        teacher = teacher_from_logits(logits[: row.rows], draft)  # detached [rows, V_draft]
+        shift = reduce = None
+        if cp is not None:
+            shift = _GatheredShift(row.real_plan, row.real_layout, cp)
+            reduce = _sum_over(cp.group)
+        loss = ttt_loss(
+            out,
+            teacher,
+            row.ttt,
+            row.draft_layout,
+            kind=cfg.ttt_loss,
+            decay=cfg.ttt_decay,
+            shift=shift,
+            reduce=reduce,
+        )
+        scale = 1.0 / (self.n_microbatches * self.dims.dp)
+        (loss.loss * scale).backward()
+        counts = torch.tensor(loss.count, dtype=torch.float64)
+        hits = torch.tensor(loss.acc, dtype=torch.float64) * counts.clamp(min=1.0)
+        scaled = loss.loss.detach().to(torch.float64).reshape(1) * scale
+        self._draft_sums.append(torch.cat([scaled, hits, counts]))
+        self._draft_seconds += time.perf_counter() - t0
+
+    # --------------------------------------------------------------------- helpers
+    def _prepare(self, mb: PackedMicrobatch) -> _Row:
+        """Pad the microbatch to the budget with one filler sequence, shard it under CP, and
+        precompute the draft's TTT inputs (global shifts before sharding)."""
+        dev, cp, budget = self.device, self.dims.cp, self.config.microbatch_tokens
+        ids = mb.ids.to(dev)
+        t = ids.numel()
+        if sum(mb.lengths) != t or mb.loss_mask.numel() != t:
+            raise ValueError(
+                f"microbatch of {t} ids has lengths summing to {sum(mb.lengths)} and a loss "
+                f"mask of {mb.loss_mask.numel()}"
+            )
+        real = PackedLayout.from_lengths(mb.lengths, device=dev)
+        mask = mb.loss_mask.to(dev)
+        per_token = {
+            "labels": shift_within_sequences(ids, real, 1, 0),  # x_{t+1} within the sequence
+            "loss_mask": mask,
+            **{k: v.to(dev) for k, v in mb.fields.items()},
+        }
+        step = 2 * cp if cp > 1 else 1
+        padded = sum(-(-n // step) * step for n in mb.lengths)
+        filler = budget - padded
+        if filler < 0:
+            raise LayoutError(
+                f"a microbatch of {t} tokens ({padded} after CP padding) exceeds "
+                f"microbatch_tokens = {budget}",
+                hint="raise microbatch_tokens or pack fewer sequences per microbatch",
+            )
+        full = PackedLayout.from_lengths([*mb.lengths, *([filler] if filler else [])], device=dev)
+        pad = lambda x, fill: torch.cat([x, x.new_full((filler,), fill)])
+        ids_full = pad(ids, self.config.pad_id)
+        tokens_full = {k: pad(v, 0) for k, v in per_token.items()}
+        ttt = ttt_inputs(ids, mask, real, self.config.ttt_steps) if self.draft else None
+        if cp == 1:
+            return _Row(ids_full, full, tokens_full, t, real, ttt, None, real)
+        plan = ZigzagPlan.build(full, cp, self.cp.rank)
+        real_plan = ZigzagPlan.build(real, cp, self.cp.rank)
+        if ttt is not None:
+            ttt = TTTInputs(
+                torch.stack([real_plan.shard(x) for x in ttt.step_ids]),
+                torch.stack([real_plan.shard(x) for x in ttt.step_mask]),
+            )
+        return _Row(
+            plan.shard(ids_full, self.config.pad_id),
+            plan.local,
+            {k: plan.shard(v) for k, v in tokens_full.items()},
+            real_plan.num_local,
+            real_plan.local,
+            ttt,
+            real_plan,
+            real,
+        )
+
+    def _clip_policy(self, params: Sequence[torch.nn.Parameter]) -> float:
+        """Global gradient norm over every stage (identical on all ranks); clip if configured."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in params:
+            if p.grad is not None:
+                sq += p.grad.detach().to(torch.float64).pow(2).sum()
+        if self.dims.pp > 1:
+            dist.all_reduce(sq, group=self.groups["pp"])
+        norm = float(sq.sqrt())
+        clip = self.config.policy_grad_clip
+        if clip > 0 and norm > clip:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(clip / (norm + 1e-6))
+        return norm
+
+    def _gather_stats(self, policy_norm: float | None, draft_norm: float | None) -> list[float]:
+        """[policy loss, draft loss, policy norm, draft norm, acc_0..acc_K−1] on every rank:
+        reduced over dp × cp on the last stage, then broadcast along the pipeline (a norm that
+        was not computed is NaN)."""
+        k = self.config.ttt_steps
+        out = torch.zeros(4 + k, dtype=torch.float64, device=self.device)
+        out[2:4] = float("nan")
+        if self.is_last:
+            sums = torch.zeros(1 + 2 * k, dtype=torch.float64, device=self.device)
+            for d in self._draft_sums:
+                sums += d.to(self.device)
+            # every cp rank holds the same counts (reduced inside ttt_loss): count them once
+            sums[1:] /= self.dims.cp
+            policy = torch.stack(self._policy_sums).sum().to(torch.float64) / self._normalizer
+            local = torch.cat([policy.reshape(1), sums])
+            if self.dims.dp * self.dims.cp > 1:
+                dist.all_reduce(local, group=self.groups["dp_cp"])
+            hits, counts = local[2 : 2 + k], local[2 + k :]
+            out[0], out[1] = local[0], local[1]
+            out[4:] = hits / counts.clamp(min=1.0)
+            if draft_norm is not None:
+                out[3] = draft_norm
+        if policy_norm is not None:
+            out[2] = policy_norm
+        if self.dims.pp > 1:
+            last = self.groups.ranks("pp")[-1]
+            dist.broadcast(out, src=last, group=self.groups["pp"])
+        return out.tolist()
