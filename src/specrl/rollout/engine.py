@@ -16,6 +16,12 @@
 5. append tokens, apply stop conditions (stop token ids incl. eos, stop strings, max_tokens),
    hand taps of the committed positions to the proposers, release finished sequences.
 
+Timing (for the gate): the injected ``clock`` times each step and each ``propose`` call, and the
+prefill forward (CUDA events on a GPU, read after the step's sync, so timing adds no sync); the
+cost model sees the target's decode share only.  The single host sync per step is the engine's;
+a proposer that reads device values while drafting (eagle3 picks its tokens on the host) adds
+its own.
+
 Rejected drafts leave stale K/V beyond a slot's committed length; attention never looks past a
 query's own position, and the next step overwrites them.  Invariant once prefilled:
 ``seq.kv_len == len(seq.tokens) - 1`` (the last emitted token is fed by the next step).

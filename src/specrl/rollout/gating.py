@@ -357,7 +357,7 @@ class SpecController:
         shape.fed.add(k_used + 1)
 
     def record_step(self, tokens: int, padded: int, seconds: float) -> None:
-        """Target time of one decode step (no prefill in it, drafting time taken out):
+        """Target time of one decode step (its prefill and drafting time taken out):
         ``tokens`` fed, ``padded`` query rows."""
         self.cost.observe(tokens, padded, seconds)
 
