@@ -59,7 +59,8 @@ def test_sampled_eagle3_is_lossless():
         pool = (exact > 0) & ~keep
         f_obs = np.append(obs[keep], obs[pool].sum()) if pool.any() else obs[keep]
         f_exp = np.append(exact[keep], exact[pool].sum()) if pool.any() else exact[keep]
-        assert stats.chisquare(f_obs, f_exp * len(out)).pvalue > 0.01, f"position {pos}"
+        # 1 % family-wise over the 3 positions (Bonferroni)
+        assert stats.chisquare(f_obs, f_exp * len(out)).pvalue > 0.01 / 3, f"position {pos}"
 
 
 def test_draft_weight_update_changes_drafts_not_outputs():

@@ -3,9 +3,10 @@
 State per sequence lives in the draft's slot KV cache (same slot as the target's):
 
 - **main entries**: after every target forward the engine hands over the taps of the committed
-  positions; position t gets the draft's step-0 pass (feature ``fc(f_t)``, token x_{t+1}, RoPE
-  position t) written at cache row t.  The pre-norm output at the last committed position
-  predicts the next token — the first draft token.
+  positions; they are queued and, when the sequence next drafts, each position t gets the
+  draft's step-0 pass (feature ``fc(f_t)``, token x_{t+1}, RoPE position t) written at cache
+  row t — one packed pass for everything queued, nothing while the gate keeps drafting off.
+  The pre-norm output at the last committed position predicts the next token, d_1.
 - **chain**: draft token j (j ≥ 1) feeds the previous pre-norm output and d_j at row/position
   ``last + j``; the chain is overwritten by the next round's main entries.  This is exactly the
   TTT branch mask the draft is trained with (tested: decode chain == ``ttt_forward``).
@@ -21,7 +22,7 @@ draft weights arrive through ``load_weights`` (engine ``update_weights(draft=…
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +38,7 @@ from specrl.rollout.proposers import Draft, ProposerContext, SeqState, register_
 class _State:
     h_last: torch.Tensor | None = None  # [H] pre-norm output at the last committed position
     main_len: int = 0  # draft cache rows holding step-0 entries
+    pending: list[torch.Tensor] = field(default_factory=list)  # tap rows not yet in the cache
 
 
 class Eagle3Proposer:
@@ -88,49 +90,77 @@ class Eagle3Proposer:
         taps: dict[int, torch.Tensor] | None,
         committed: list[int],
     ) -> None:
+        """Queue the committed positions' taps; the draft runs on them only when it drafts.
+
+        While the gate keeps speculation off (large batches) the draft costs nothing: its main
+        entries are caught up in one packed pass at the next :meth:`propose`.
+        """
         if taps is None:
             raise RuntimeError("eagle3 proposer needs taps; the engine did not provide them")
         feats = Eagle3Draft.concat_taps(taps, self.tap_layers)  # [Σ committed, 3·H_target]
-        rows, lens, seqs, ids = [], [], [], []
         start = 0
         for seq, c in zip(batch, committed, strict=True):
             if c > 0 and seq.finish_reason is None:
-                first = seq.kv_len - c
-                rows.append(torch.arange(start, start + c))
-                ids.extend(seq.tokens[first + 1 : seq.kv_len + 1])  # x_{t+1} for each t
-                lens.append(c)
-                seqs.append(seq)
+                st = self._state.setdefault(seq.seq_id, _State())
+                st.pending.append(feats[start : start + c])
             start += c
-        if not seqs:
+
+    def _catch_up(self, seqs: list[SeqState]) -> None:
+        """Step-0 passes over every queued position of ``seqs`` in one packed forward."""
+        todo = [s for s in seqs if self._state[s.seq_id].pending]
+        if not todo:
             return
-        index = torch.cat(rows).to(self.device)
-        feat = self.draft.project(feats.index_select(0, index))
+        feats, ids, lens, prefix = [], [], [], []
+        for s in todo:
+            st = self._state[s.seq_id]
+            rows = torch.cat(st.pending)
+            n = rows.shape[0]
+            first = s.kv_len - n  # positions first … kv_len − 1, next tokens known
+            feats.append(rows)
+            ids.extend(s.tokens[first + 1 : s.kv_len + 1])  # x_{t+1} for each position t
+            lens.append(n)
+            prefix.append(first)
         layout = PackedLayout.from_lengths(lens, device=self.device)
-        prefix = [s.kv_len - c for s, c in zip(seqs, lens, strict=True)]
         cache = CacheBatch(
             self.cache,
-            torch.tensor([s.slot for s in seqs], device=self.device),
+            torch.tensor([s.slot for s in todo], device=self.device),
             torch.tensor(prefix, device=self.device),
-            max(s.kv_len for s in seqs),
+            max(s.kv_len for s in todo),
         )
-        h = self.draft.decode(feat, torch.tensor(ids, device=self.device), layout, cache)
+        h = self.draft.decode(
+            self.draft.project(torch.cat(feats)),
+            torch.tensor(ids, device=self.device),
+            layout,
+            cache,
+        )
         last = layout.cu_seqlens[1:] - 1
-        for j, seq in enumerate(seqs):
-            st = self._state.setdefault(seq.seq_id, _State())
-            st.h_last = h[last[j]]
-            st.main_len = seq.kv_len
+        for j, s in enumerate(todo):
+            st = self._state[s.seq_id]
+            st.h_last, st.main_len, st.pending = h[last[j]], s.kv_len, []
 
     # ------------------------------------------------------------------ chain drafting
-    def _pick(self, logits: torch.Tensor, seq: SeqState) -> tuple[int, torch.Tensor | None]:
-        """One draft token from draft-vocab logits [Vd]; q over the target vocab if sampled."""
-        t = seq.params.temperature
-        if t <= 0:
-            return int(self._to_target[int(logits.argmax())]), None
-        q_d = torch.softmax(logits.float() / t, dim=-1)
-        i = int(torch.multinomial(q_d, 1, generator=seq.generator))
-        q = q_d.new_zeros(self.vocab)
-        q[self._to_target] = q_d
-        return int(self._to_target[i]), q
+    def _pick(self, logits: torch.Tensor, seqs: list[SeqState]):
+        """One draft token per row of draft-vocab logits [B, Vd], all rows at once.
+
+        Greedy rows take the argmax (one-hot q); sampled rows draw by inverse CDF from
+        q = softmax(logits / temperature) with one uniform from the sequence's own generator.
+        Returns target ids [B] and q [B, V] over the target vocabulary (None when all greedy).
+        """
+        temps = [s.params.temperature for s in seqs]
+        sampled = [i for i, t in enumerate(temps) if t > 0]
+        ids = logits.argmax(-1)  # [B]
+        q = None
+        if sampled:
+            rows = torch.tensor(sampled, device=logits.device)
+            t = torch.tensor([temps[i] for i in sampled], device=logits.device)
+            q_d = torch.softmax(logits[rows].float() / t[:, None], dim=-1)  # [S, Vd]
+            u = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in sampled])
+            cdf = q_d.cumsum(-1)
+            pick = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None])[:, 0]
+            ids[rows] = pick.clamp(max=q_d.shape[-1] - 1)
+            q = logits.new_zeros(len(seqs), self.vocab, dtype=torch.float32)
+            q[rows[:, None], self._to_target[None, :]] = q_d
+        return self._to_target[ids], q
 
     @torch.no_grad()
     def propose(self, batch: list[SeqState], ks: list[int]) -> list[Draft]:
@@ -138,42 +168,47 @@ class Eagle3Proposer:
         live = [
             b
             for b, (s, k) in enumerate(zip(batch, ks, strict=True))
-            if k > 0
-            and self._state.get(s.seq_id) is not None
-            and self._state[s.seq_id].h_last is not None
+            if k > 0 and s.seq_id in self._state
         ]
+        self._catch_up([batch[b] for b in live])
+        live = [b for b in live if self._state[batch[b].seq_id].h_last is not None]
         if not live:
             return out
-        tokens: dict[int, list[int]] = {b: [] for b in live}
-        probs: dict[int, list[torch.Tensor]] = {b: [] for b in live}
+        steps = [min(ks[b], self.max_k) for b in live]
         h = torch.stack([self._state[batch[b].seq_id].h_last for b in live])  # [B, H]
-        step = 0
-        while live:
-            logits = self.draft.logits(h)  # [B, Vd]
-            for j, b in enumerate(live):
-                tok, q = self._pick(logits[j], batch[b])
-                tokens[b].append(tok)
-                if q is not None:
-                    probs[b].append(q)
-            step += 1
-            keep = [j for j, b in enumerate(live) if min(ks[b], self.max_k) > step]
+        toks: list[torch.Tensor] = []  # per chain step: [B_j] target ids of the live rows
+        qs: list[torch.Tensor | None] = []
+        rows = list(range(len(live)))  # indices into ``live`` still drafting
+        for step in range(max(steps)):
+            seqs = [batch[live[r]] for r in rows]
+            tok, q = self._pick(self.draft.logits(h), seqs)
+            toks.append(tok)
+            qs.append(q)
+            keep = [j for j, r in enumerate(rows) if steps[r] > step + 1]
             if not keep:
                 break
-            live = [live[j] for j in keep]
-            h = h[keep]
-            seqs = [batch[b] for b in live]
-            prefix = torch.tensor([s.kv_len - 1 + step for s in seqs], device=self.device)
-            one = PackedLayout.from_lengths([1] * len(live), device=self.device)
-            ids = torch.tensor([tokens[b][-1] for b in live], device=self.device)
-            cache = CacheBatch(
-                self.cache,
-                torch.tensor([s.slot for s in seqs], device=self.device),
-                prefix,
-                max(s.kv_len for s in seqs) + step,
-            )
-            h = self.draft.decode(h, ids, one, cache)
-        for b in tokens:
-            out[b] = Draft(tokens[b], torch.stack(probs[b]) if probs[b] else None)
+            rows = [rows[j] for j in keep]
+            sel = torch.tensor(keep, device=self.device)
+            h, tok = h[sel], tok[sel]
+            seqs = [batch[live[r]] for r in rows]
+            prefix = torch.tensor([s.kv_len + step for s in seqs], device=self.device)
+            one = PackedLayout.from_lengths([1] * len(rows), device=self.device)
+            slots = torch.tensor([s.slot for s in seqs], device=self.device)
+            cache = CacheBatch(self.cache, slots, prefix, max(s.kv_len for s in seqs) + step + 1)
+            h = self.draft.decode(h, tok, one, cache)
+        host = [t.tolist() for t in toks]  # one transfer per chain step, after the loop
+        active = list(range(len(live)))
+        for step, (t_host, q) in enumerate(zip(host, qs, strict=True)):
+            for j, r in enumerate(active):
+                b = live[r]
+                out[b].tokens.append(t_host[j])
+                if q is not None and batch[b].params.temperature > 0:
+                    out[b].probs = (
+                        q[j : j + 1]
+                        if out[b].probs is None
+                        else torch.cat([out[b].probs, q[j : j + 1]])
+                    )
+            active = [r for r in active if steps[r] > step + 1]
         return out
 
 

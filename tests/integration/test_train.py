@@ -1,0 +1,154 @@
+"""`specrl train` end to end on the seconds-long test recipe: one process, torchrun dp=2,
+SIGKILL + resume reproducing the metrics, and bad recipes failing in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_cli
+from tests.integration.test_cli_basics import _assert_one_line_error
+
+pytestmark = pytest.mark.integration
+RECIPE = str(REPO / "recipes/tests/tiny.yaml")
+TIMING = ("time_", "rollout_tokens_per_s")
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _no_timing(recs: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in recs]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory) -> tuple[Path, list[str]]:
+    """The full pipeline once: warm-start → init-draft → RL (artifacts reused below)."""
+    base = tmp_path_factory.mktemp("train")
+    sets = ["--set", f"policy.path={base / 'target'}", "--set", f"draft.path={base / 'draft'}"]
+    proc = run_cli("--json", "train", RECIPE, *sets, "--set", f"run.out_dir={base / 'run'}")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["steps"] == 4
+    return base, sets
+
+
+def test_single_process_run(first_run):
+    base, _ = first_run
+    run = base / "run"
+    recs = _records(run)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    for r in recs:
+        for key in ("reward", "accuracy", "tau", "per_position_acceptance", "draft_loss",
+                    "draft_sim_tau", "policy_loss", "rollout_tokens_per_s", "time_rollout",
+                    "time_policy_update", "time_draft_update", "time_sync"):
+            assert key in r, key
+        assert r["tau"] is not None and r["tau"] >= 1.0
+        assert set(r["drafter_selections"]) <= {f"{p}/k={k}" for p in ("eagle3", "ngram")
+                                               for k in (1, 2, 3)}
+    assert "heldout_accuracy" in recs[1] and "heldout_accuracy" in recs[3]
+    assert (run / "recipe.resolved.yaml").is_file() and (run / "curves.png").stat().st_size > 0
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert latest == "step-000004"
+    step_dir = run / "checkpoints" / latest
+    assert {p.name for p in step_dir.iterdir()} >= {"policy", "draft", "rank0.safetensors",
+                                                    "rank0.json"}
+    assert not list(step_dir.rglob("*.pt")) and not list(step_dir.rglob("*.bin"))
+
+
+def test_kill_and_resume_reproduces_metrics(first_run):
+    base, sets = first_run
+    steps = ["--set", "train.steps=5"]
+    ref = base / "ref"
+    assert run_cli("train", RECIPE, *sets, *steps, "--set", f"run.out_dir={ref}").returncode == 0
+    run = base / "killed"
+    env = {**os.environ, "COLUMNS": "200"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specrl", "train", RECIPE, *sets, *steps,
+         "--set", f"run.out_dir={run}"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 300
+    metrics = run / "metrics.jsonl"
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    resumed = run_cli("train", RECIPE, *sets, *steps, "--set", f"run.out_dir={run}", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert _no_timing(_records(run)) == _no_timing(_records(ref))
+
+
+def test_sigterm_saves_and_exits(first_run):
+    base, sets = first_run
+    run = base / "term"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specrl", "train", RECIPE, *sets, "--set", "train.steps=50",
+         "--set", "checkpoint.every=0", "--set", f"run.out_dir={run}"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().strip()):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "stopped by SIGTERM" in stderr
+    saved = (run / "checkpoints" / "latest").read_text().strip()
+    assert int(saved.split("-")[1]) == len(_records(run))
+
+
+def test_torchrun_dp2(first_run):
+    base, sets = first_run
+    run = base / "dp2"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "specrl", "train", RECIPE, *sets,
+         "--set", "parallel.dp=2", "--set", f"run.out_dir={run}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recs = _records(run)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert all(r["samples_trained"] == 16 for r in recs)  # both ranks' samples counted
+
+
+@pytest.mark.parametrize(
+    ("sets", "needles"),
+    [
+        (["--set", "rollout.nn=4"], ["unknown key 'rollout.nn'"]),
+        (["--set", "parallel.dp=3"], ["dp=3 × cp=1 × pp=1 = 3", "1 process"]),
+        (["--set", "task.name=jsonl", "--set", "task.path=/nonexistent.jsonl"],
+         ["does not exist"]),
+        (["--set", "policy.warmstart=null", "--set", "policy.path=/nonexistent"],
+         ["holds no checkpoint"]),
+    ],
+    ids=["unknown-key", "layout", "missing-data", "missing-policy"],
+)
+def test_bad_recipes(sets, needles, tmp_path):
+    proc = run_cli("train", RECIPE, "--set", f"run.out_dir={tmp_path / 'r'}", *sets)
+    _assert_one_line_error(proc, *needles)
+
+
+def test_draft_target_mismatch(first_run, tmp_path):
+    base, _ = first_run
+    other = tmp_path / "other-target"
+    proc = run_cli("warm-start", RECIPE, "--out", str(other), "--set",
+                   "policy.warmstart.preset=toy-small", "--set", "policy.warmstart.steps=1",
+                   "--set", f"run.out_dir={tmp_path / 'ws'}")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("train", RECIPE, "--set", f"policy.path={other}",
+                   "--set", f"draft.path={base / 'draft'}", "--set",
+                   f"run.out_dir={tmp_path / 'r'}")
+    _assert_one_line_error(proc, "hidden size")
