@@ -21,7 +21,7 @@ Pieces, in the order a trainer uses them:
 - :func:`build_schedule`: GPipe, 1F1B or Interleaved1F1B, gradients never rescaled (the loss
   function normalizes).
 - :func:`tap_slot_depth`: from a schedule's action order, how many microbatches can be in flight
-  between a producer stage and the last stage — the TapChannel's landing-slot ring size.
+  between a producer stage and the last stage: the TapChannel's ring holds one slot more.
 
 The module knows the decoder only by its contract (``model.embed_tokens``, ``model.layers`` keyed
 by global index, ``model.norm``, ``lm_head``, ``forward(inputs, layout, taps=, logits=)``).

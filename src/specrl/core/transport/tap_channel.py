@@ -16,12 +16,14 @@ Transport
     pipeline's communicators never carry a tap, so a tap can neither be matched against an
     activation receive nor reorder the schedule's point-to-point operations.  On a link the
     messages are ordered by microbatch, then layer (a stage runs its microbatches in order).
-  - Landing slots are preallocated on the draft's rank: per link a ring of ``depth`` slots of
-    [tap layers of the stage, max_rows, H], ``depth`` = the microbatches in flight between the
-    producer stage and the draft's stage (:func:`specrl.core.pipeline.tap_slot_depth`).  The
-    receives of microbatch m are posted into slot m mod depth as soon as microbatch m − depth has
-    been consumed, so the data lands while the draft's stage is busy with other work; the only
-    wait is inside :meth:`TapChannel.collect`.
+  - Landing slots are preallocated on the draft's rank: per link a ring of depth + 1 slots of
+    [tap layers of the stage, max_rows, H] — ``depth`` microbatches in flight between the
+    producer stage and the draft's stage (:func:`specrl.core.pipeline.tap_slot_depth`) plus the
+    one the draft is reading.  The receives of microbatch m are posted into slot m mod (depth + 1)
+    once microbatch m − depth − 1 has been released, so they are posted before the producer
+    sends and the data lands while the draft's stage is busy with other work; the only wait is
+    inside :meth:`TapChannel.collect`.  A smaller depth stays correct (sends wait in the link
+    until their slot frees) but exposes transfer time at ``collect``.
   - Taps produced on the draft's own rank (its own chunk or another chunk of that rank) are
     handed over by reference: no copy, no communication.
 
@@ -197,6 +199,7 @@ class TapStats:
     bytes_sent: int = 0  # header + payload bytes put on tap links
     bytes_received: int = 0  # header + payload bytes landed in this rank's slots
     local_taps: int = 0  # taps handed over by reference on the draft's rank
+    send_seconds: float = 0.0  # time spent in send(): checks and posting (it never waits)
     wait_seconds: float = 0.0  # time blocked in collect() and end_step()
 
 
@@ -227,7 +230,7 @@ class TapChannel:
         *,
         pipeline: Sequence[int],  # global rank of each pipeline rank of this rank's pipeline
         links: Mapping[int, dist.ProcessGroup],  # remote producer stage → its dedicated group
-        depth: int | Mapping[int, int],  # landing slots per remote stage (microbatches in flight)
+        depth: int | Mapping[int, int],  # microbatches in flight per remote stage
         timeout: float,  # seconds any single collect() or end_step() may wait
     ) -> None:
         self.plan, self.spec, self.timeout = plan, spec, float(timeout)
@@ -237,12 +240,13 @@ class TapChannel:
         self._links = dict(links)
         depths = {s: depth if isinstance(depth, int) else depth[s] for s in plan.remote_stages}
         self._depth = {s: max(1, int(d)) for s, d in depths.items()}
+        self._ring = {s: d + 1 for s, d in self._depth.items()}  # + the slot being read
         # landing slots, allocated once on the draft's rank only
-        self._slots: dict[int, torch.Tensor] = {}  # stage → [depth, layers, max_rows, H]
-        self._headers: dict[int, torch.Tensor] = {}  # stage → [depth, layers, HEADER_FIELDS]
+        self._slots: dict[int, torch.Tensor] = {}  # stage → [depth + 1, layers, max_rows, H]
+        self._headers: dict[int, torch.Tensor] = {}  # stage → [depth + 1, layers, HEADER_FIELDS]
         if self.is_consumer:
             for s in plan.remote_stages:
-                shape = (self._depth[s], len(plan.layers_of(s)))
+                shape = (self._ring[s], len(plan.layers_of(s)))
                 self._slots[s] = torch.empty(
                     (*shape, spec.max_rows, spec.hidden_size), dtype=spec.dtype, device=spec.device
                 )
@@ -294,14 +298,14 @@ class TapChannel:
 
     @property
     def depth(self) -> dict[int, int]:
-        """Landing slots per remote producer stage (the draft's rank allocates them)."""
+        """Microbatches in flight per remote producer stage (its ring has one slot more)."""
         return dict(self._depth)
 
     # ------------------------------------------------------------------------ the step
     def begin_step(self, rows: Sequence[int]) -> None:
         """Start a step of ``len(rows)`` microbatches; ``rows[m]``: tap rows of microbatch m.
 
-        On the draft's rank, posts the receives of the first ``depth`` microbatches per link."""
+        On the draft's rank, posts the receives of the first depth + 1 microbatches per link."""
         if self._rows is not None:
             raise TapChannelError("begin_step() again before end_step() of the previous step")
         rows = [int(r) for r in rows]
@@ -314,12 +318,13 @@ class TapChannel:
         self._sends, self._local = [], {}
         self.stats = TapStats()
         for s in self._slots:
-            for m in range(min(self._depth[s], len(rows))):
+            for m in range(min(self._ring[s], len(rows))):
                 self._post(s, m)
 
     def send(self, microbatch: int, layer: int, tensor: torch.Tensor) -> None:
         """Hand tap ``layer`` of ``microbatch`` ([rows, H]) to the draft's stage; never blocks
         (the tensor is detached and kept alive until delivered)."""
+        t0 = time.perf_counter()
         rows = self._require_step()
         stage = self.plan.stage_of(layer)
         if self.plan.stage_ranks[stage] != self.pp_rank:
@@ -337,6 +342,7 @@ class TapChannel:
                 )
             self._local[(microbatch, layer)] = tap
             self.stats.local_taps += 1
+            self.stats.send_seconds += time.perf_counter() - t0
             return
         group, peer = self._links[stage], self.pipeline[self.plan.consumer_rank]
         header = torch.tensor(got, dtype=torch.int64, device=self.spec.device)
@@ -353,6 +359,7 @@ class TapChannel:
         payload_work = dist.isend(payload, peer, group=group)
         self.stats.bytes_sent += payload.numel() * payload.element_size()
         self._sends.append(_Send(microbatch, layer, header, payload, header_work, payload_work))
+        self.stats.send_seconds += time.perf_counter() - t0
 
     def collect(self, microbatch: int) -> dict[int, torch.Tensor]:
         """All taps of ``microbatch`` ({layer: [rows, H]}, ascending layers) on the draft's stage;
@@ -445,7 +452,7 @@ class TapChannel:
 
     def _post(self, stage: int, microbatch: int) -> None:
         """Post the receives of ``microbatch`` from ``stage`` into its ring slot."""
-        slot = microbatch % self._depth[stage]
+        slot = microbatch % self._ring[stage]
         rows = self._require_step()[microbatch]
         group, peer = self._links[stage], self.pipeline[self.plan.stage_ranks[stage]]
         recvs = []
@@ -462,10 +469,10 @@ class TapChannel:
         self._posted[stage][microbatch] = recvs
 
     def _rearm(self, consumed: int) -> None:
-        """Microbatch ``consumed`` is done with its slots: post microbatch consumed + depth."""
+        """Microbatch ``consumed`` released its slots: post microbatch consumed + depth + 1."""
         n = len(self._require_step())
         for s in self._slots:
-            nxt = consumed + self._depth[s]
+            nxt = consumed + self._ring[s]
             if nxt < n:
                 self._post(s, nxt)
 

@@ -1,0 +1,318 @@
+"""Pipeline step time with draft co-training over TapChannel, without the draft, and naively.
+
+Two gloo ranks on CPU (pp = 2, float32, 1F1B), one policy of 8 layers split 4 | 4, taps
+(1, 3, 6): two taps cross from stage 0 to the draft's stage, one is produced there.  Variants,
+each its own trainer over the same weights and microbatches, run interleaved (one step each per
+repeat; medians of per-repeat values), all in one spawned world:
+
+- ``no draft``: the pipelined policy step alone;
+- ``draft, free taps``: the draft co-trained on the last stage, its taps handed over at no cost
+  (preallocated tensors of the right shapes, nothing sent): the draft's compute and its place in
+  the schedule without any transport — the baseline TapChannel is measured against;
+- ``tapchannel``: the draft fed over TapChannel;
+- ``blocking hooks, pre-posted``: taps sent by blocking ``dist.send`` inside forward hooks on the
+  pipeline's own group (tagged so gloo keeps them apart from activations; NCCL ignores tags), the
+  draft's rank posting every receive of the step before the schedule starts, waiting at use.
+
+``blocking hooks`` (receive at use, the naive approach proper) runs once in a world of its own
+with a short timeout: a blocking send in stage 0's forward waits for a receive that the draft's
+stage posts only after it got stage 0's activation — which stage 0 sends after that forward.  It
+is recorded as a deadlock when no step completes.
+
+Reported: step time (the slower rank); the draft's own compute (TTT forward + backward on the
+last stage); the time the draft's stage waited for taps; the time spent inside the transport
+(sends and waits, both ranks summed) as a share of the draft-free step — the direct measure of
+what the transport adds beyond the draft's compute (target ≤ 5 %); the step's difference to the
+free-taps step, relative to the draft-free step (the same quantity end to end, but noisy on a
+shared machine); tap bytes per step, next to the pipeline's own activation + gradient bytes.
+The draft's compute does not add to the step in full: part of it fills the last stage's bubbles.
+
+    python benchmarks/tap_channel.py          # table + benchmarks/results/tap_channel.json
+    python benchmarks/tap_channel.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from specrl.core.distributed import spawn
+from specrl.core.parallel import ParallelDims
+from specrl.core.transport import TapStats
+from specrl.models.decoder import Transformer
+from specrl.models.draft import DraftConfig, Eagle3Draft, build_vocab_map, init_draft_weights
+from specrl.models.presets import preset_config
+from specrl.train.pipeline_cotrain import CotrainConfig, PackedMicrobatch, PipelineCotrainer
+
+SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+VOCAB, DRAFT_VOCAB, TAPS, TOKENS, MICROBATCHES, TTT_STEPS = 512, 256, (1, 3, 6), 256, 4, 3
+TAG = 1000  # gloo tag base of the naive variants' tap messages (layer id added)
+
+
+def _models() -> tuple[Transformer, Eagle3Draft]:
+    cfg = preset_config("toy-tiny", vocab_size=VOCAB, **SHAPE)
+    policy = Transformer(cfg).init_weights(0, std=0.05)
+    draft = Eagle3Draft(DraftConfig.for_target(cfg, draft_vocab_size=DRAFT_VOCAB, tap_layers=TAPS))
+    init_draft_weights(draft, 1, std=0.05)
+    counts = torch.randint(0, 100, (VOCAB,), generator=torch.Generator().manual_seed(0))
+    draft.set_vocab_map(build_vocab_map(counts, DRAFT_VOCAB))
+    draft.refresh_embedding(policy.model.embed_tokens.weight)
+    return policy, draft
+
+
+def _microbatches(seed: int) -> list[PackedMicrobatch]:
+    """Packs of 3–6 sequences filling 75–100 % of the token budget."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(MICROBATCHES):
+        n = int(torch.randint(3, 7, (1,), generator=gen))
+        total = int(torch.randint(3 * TOKENS // 4, TOKENS + 1, (1,), generator=gen))
+        cuts = torch.sort(torch.randperm(total - 1, generator=gen)[: n - 1] + 1).values.tolist()
+        lengths = [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
+        ids = torch.randint(0, VOCAB, (total,), generator=gen)
+        out.append(PackedMicrobatch(ids, lengths, (torch.rand(total, generator=gen) > 0.3).float()))
+    return out
+
+
+class BlockingTaps:
+    """The naive transport: blocking sends of every tap inside forward hooks, on the pipeline's
+    own group; the draft's rank receives at use (``prepost=False``) or posts every receive of the
+    step before the schedule starts (``prepost=True``).  Fills the TapChannel's place in the
+    trainer (``begin_step`` / ``collect`` / ``end_step``); the stage modules send nothing."""
+
+    def __init__(self, trainer: PipelineCotrainer, prepost: bool) -> None:
+        self.trainer, self.prepost = trainer, prepost
+        self.plan = trainer.channel.plan  # the routing TapChannel derived; its links stay unused
+        self.group = trainer.groups["pp"]
+        pipeline = trainer.groups.ranks("pp")
+        self.consumer = pipeline[self.plan.consumer_rank]
+        self.is_consumer = dist.get_rank() == self.consumer
+        self.remote = [i for i in self.plan.tap_layers if i not in self.plan.local_layers]
+        self.local: dict[int, list[torch.Tensor]] = {}
+        self.recvs: dict[int, list[tuple[torch.Tensor, dist.Work | None]]] = {}
+        self.stats = TapStats()
+        for m in trainer.modules:
+            m.channel = None
+            for layer in m.tap_layers:
+                m.chunk.layer(layer).register_forward_hook(self._hook(layer))
+
+    def _hook(self, layer: int):
+        def hook(module, args, output):  # output [T, H]: the whole padded microbatch
+            tap = output.detach()
+            if self.is_consumer:
+                self.local.setdefault(layer, []).append(tap)
+            else:
+                t0 = time.perf_counter()
+                dist.send(tap.contiguous(), self.consumer, group=self.group, tag=TAG + layer)
+                self.stats.send_seconds += time.perf_counter() - t0
+                self.stats.bytes_sent += tap.numel() * tap.element_size()
+
+        return hook
+
+    def begin_step(self, rows: list[int]) -> None:
+        self.rows, self.local, self.recvs = rows, {}, {}
+        self.stats = TapStats()
+        if self.is_consumer and self.prepost:
+            for layer in self.remote:
+                self.recvs[layer] = [self._recv(layer, wait=False) for _ in rows]
+
+    def _recv(self, layer: int, wait: bool) -> tuple[torch.Tensor, dist.Work | None]:
+        t = self.trainer
+        buf = torch.empty(t.local_tokens, SHAPE["hidden_size"], dtype=torch.float32)
+        src = t.groups.ranks("pp")[self.plan.stage_ranks[self.plan.stage_of(layer)]]
+        if wait:
+            dist.recv(buf, src, group=self.group, tag=TAG + layer)
+            return buf, None
+        return buf, dist.irecv(buf, src, group=self.group, tag=TAG + layer)
+
+    def collect(self, m: int) -> dict[int, torch.Tensor]:
+        t0 = time.perf_counter()
+        taps = {}
+        for layer in self.remote:
+            buf, work = self.recvs[layer][m] if self.prepost else self._recv(layer, wait=True)
+            if work is not None:
+                work.wait()
+            taps[layer] = buf[: self.rows[m]]
+            self.stats.bytes_received += buf.numel() * buf.element_size()
+        for layer in self.plan.local_layers:
+            taps[layer] = self.local[layer][m][: self.rows[m]]
+        self.stats.wait_seconds += time.perf_counter() - t0
+        return dict(sorted(taps.items()))
+
+    def end_step(self) -> TapStats:
+        return self.stats
+
+
+class FreeTaps:
+    """Taps at no cost: the draft's rank gets fixed tensors of the right shapes, nothing is sent.
+    Fills the TapChannel's place in the trainer; the stage modules send nothing."""
+
+    def __init__(self, trainer: PipelineCotrainer) -> None:
+        gen = torch.Generator().manual_seed(0)
+        shape = (trainer.local_tokens, SHAPE["hidden_size"])
+        self.taps = {i: torch.randn(shape, generator=gen) for i in trainer.channel.plan.tap_layers}
+        self.stats = TapStats()
+        for m in trainer.modules:
+            m.channel = None
+
+    def begin_step(self, rows: list[int]) -> None:
+        self.rows = rows
+
+    def collect(self, m: int) -> dict[int, torch.Tensor]:
+        return {layer: t[: self.rows[m]] for layer, t in self.taps.items()}
+
+    def end_step(self) -> TapStats:
+        return self.stats
+
+
+def _trainer(groups, variant: str) -> PipelineCotrainer:
+    policy, draft = _models()
+    config = CotrainConfig(schedule="1f1b", microbatch_tokens=TOKENS, ttt_steps=TTT_STEPS)
+    taps = () if variant == "no draft" else TAPS
+    hosts = PipelineCotrainer.hosts_draft(groups)
+    trainer = PipelineCotrainer(
+        policy,
+        groups,
+        config,
+        num_microbatches=MICROBATCHES,
+        tap_layers=taps,
+        draft=draft if hosts and taps else None,
+    )
+    if variant.startswith("blocking hooks"):
+        trainer.channel = BlockingTaps(trainer, prepost=variant.endswith("pre-posted"))
+    elif variant == "draft, free taps":
+        trainer.channel = FreeTaps(trainer)
+    return trainer
+
+
+def _measure(rank: int, world: int, variants: list[str], repeats: int) -> dict:
+    groups = ParallelDims(world_size=world, pp=2).build_groups()
+    trainers = {v: _trainer(groups, v) for v in variants}
+    out: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
+    for r in range(repeats + 1):  # repeat 0 warms up
+        batch = _microbatches(r)
+        for v, trainer in trainers.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            stats = trainer.step(batch)
+            wall = time.perf_counter() - t0
+            if r == 0:
+                continue
+            tap = stats.tap or TapStats()
+            for key, value in (
+                ("step", wall),
+                ("draft", stats.draft_seconds),
+                ("wait", tap.wait_seconds),
+                ("channel", tap.send_seconds + tap.wait_seconds),
+                ("bytes", tap.bytes_sent + tap.bytes_received),
+                ("policy_loss", stats.policy_loss),
+            ):
+                out[v].setdefault(key, []).append(value)
+    return out
+
+
+def _naive_deadlocks(rank: int, world: int) -> dict:
+    out = _measure(rank, world, ["blocking hooks"], 1)
+    return {"completed": bool(out["blocking hooks"])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--deadlock-timeout", type=float, default=30.0)
+    ap.add_argument("--out", default="benchmarks/results/tap_channel.json")
+    args = ap.parse_args()
+    repeats = 2 if args.quick else args.repeats
+    variants = ["no draft", "draft, free taps", "tapchannel", "blocking hooks, pre-posted"]
+    per_rank = spawn(_measure, 2, variants, repeats, timeout=1200, threads=1)
+    worst = lambda v, key: [max(x) for x in zip(*(r[v][key] for r in per_rank), strict=True)]
+    both = lambda v, key: [sum(x) for x in zip(*(r[v][key] for r in per_rank), strict=True)]
+    base, free = worst("no draft", "step"), worst("draft, free taps", "step")
+    rows = []
+    for v in variants:
+        step = worst(v, "step")
+        rows.append(
+            {
+                "variant": v,
+                "step_ms": statistics.median(step) * 1e3,
+                "draft_compute_ms": statistics.median(worst(v, "draft")) * 1e3,
+                "tap_wait_ms": statistics.median(worst(v, "wait")) * 1e3,
+                # time inside the transport (sends + waits) on both ranks, relative to no draft
+                "channel_ms": statistics.median(both(v, "channel")) * 1e3,
+                "channel_pct": 100
+                * statistics.median(c / b for c, b in zip(both(v, "channel"), base, strict=True)),
+                # per repeat: what the transport adds over free taps, relative to no draft
+                "transport_overhead_pct": None
+                if v in ("no draft", "draft, free taps")
+                else 100
+                * statistics.median((s - f) / b for s, f, b in zip(step, free, base, strict=True)),
+                "tap_bytes_per_step": sum(r[v]["bytes"][0] for r in per_rank) // 2,
+                "policy_loss": per_rank[1][v]["policy_loss"][0],
+            }
+        )
+    t0 = time.perf_counter()
+    try:
+        spawn(_naive_deadlocks, 2, timeout=args.deadlock_timeout, threads=1)
+        naive = "completed"
+    except (TimeoutError, RuntimeError) as err:
+        naive = f"deadlock: no step within {args.deadlock_timeout:g} s ({type(err).__name__})"
+    rows.append({"variant": "blocking hooks", "result": naive,
+                 "seconds": round(time.perf_counter() - t0, 1)})  # fmt: skip
+
+    act = 2 * MICROBATCHES * TOKENS * SHAPE["hidden_size"] * 4  # activations + their gradients
+    print(
+        f"pp=2 gloo CPU fp32, 1F1B, {MICROBATCHES} microbatches × {TOKENS} tokens, taps {TAPS}, "
+        f"TTT steps {TTT_STEPS}, {repeats} repeats (median); pipeline activation + gradient "
+        f"bytes/step: {act}"
+    )
+    head = ["variant", "step ms", "draft compute ms", "tap wait ms", "channel ms (% of step)"]
+    head += ["step − free-taps step", "tap bytes/step"]
+    print("| " + " | ".join(head) + " |")
+    print("| --- |" + " ---: |" * (len(head) - 1))
+    for r in rows:
+        if "result" in r:
+            cells = [r["variant"], r["result"], "", "", "", "", ""]
+        else:
+            cells = [
+                r["variant"],
+                f"{r['step_ms']:.1f}",
+                f"{r['draft_compute_ms']:.1f}",
+                f"{r['tap_wait_ms']:.2f}",
+                f"{r['channel_ms']:.2f} ({r['channel_pct']:.2f} %)",
+                "—"
+                if r["transport_overhead_pct"] is None
+                else f"{r['transport_overhead_pct']:+.1f} %",
+                str(r["tap_bytes_per_step"]),
+            ]
+        print("| " + " | ".join(cells) + " |")
+    same = len({r["policy_loss"] for r in rows if "policy_loss" in r}) == 1
+    print(f"policy loss identical across variants: {same}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "config": {
+            "pp": 2, "backend": "gloo", "dtype": "float32", "schedule": "1f1b",
+            "microbatches": MICROBATCHES, "tokens_per_microbatch": TOKENS, "taps": list(TAPS),
+            "ttt_steps": TTT_STEPS, "shape": SHAPE, "vocab": VOCAB, "repeats": repeats,
+        },
+        "pipeline_activation_bytes_per_step": act,
+        "policy_loss_identical": same,
+        "rows": rows,
+    }  # fmt: skip
+    Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
