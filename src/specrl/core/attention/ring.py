@@ -152,16 +152,19 @@ class RingGeometry:
         return blocks
 
 
-class _Pending:
-    """An in-flight ring exchange; ``wait()`` returns the received tensor."""
+Tensors = tuple[torch.Tensor, ...]
 
-    def __init__(self, reqs: list, received: torch.Tensor, sent: torch.Tensor) -> None:
+
+class _Pending:
+    """An in-flight ring exchange; ``wait()`` returns the received tensors."""
+
+    def __init__(self, reqs: list, received: Tensors, sent: Tensors) -> None:
         self._reqs, self._received, self._sent = reqs, received, sent
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> Tensors:
         for req in self._reqs:
             req.wait()
-        self._sent = None  # the send buffer may be freed now
+        self._sent = ()  # the send buffers may be freed now
         return self._received
 
 
@@ -178,57 +181,55 @@ class RingComm:
             self._next = dist.get_global_rank(group, (rank + 1) % size)
             self._prev = dist.get_global_rank(group, (rank - 1) % size)
 
-    def exchange(self, tensor: torch.Tensor, tag: int) -> _Pending:
-        """Post isend(tensor → rank+1) and irecv(rank−1) together."""
-        received = torch.empty_like(tensor)
-        ops = [
-            dist.P2POp(dist.isend, tensor, self._next, self.group, tag),
-            dist.P2POp(dist.irecv, received, self._prev, self.group, tag),
-        ]
-        return _Pending(dist.batch_isend_irecv(ops), received, tensor)
+    def exchange(self, tensors: Tensors, tag: int) -> _Pending:
+        """Post isend(tensors → rank+1) and irecv(same shapes ← rank−1) as one batch."""
+        sent = tuple(t.contiguous() for t in tensors)
+        received = tuple(torch.empty_like(t) for t in sent)
+        ops = [dist.P2POp(dist.isend, t, self._next, self.group, tag) for t in sent]
+        ops += [dist.P2POp(dist.irecv, t, self._prev, self.group, tag) for t in received]
+        return _Pending(dist.batch_isend_irecv(ops), received, sent)
 
     def circulate(
         self, k: torch.Tensor, v: torch.Tensor
     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield ``(src, k_src, v_src)`` for s = 0..cp−1; block s+1 is in flight while the caller
-        computes with block s."""
-        cur, kv = (k, v), None
+        computes with block s.  At most two blocks are alive: the current and the incoming."""
+        cur = (k, v)
         for s in range(self.size):
-            pending = None
-            if s + 1 < self.size:
-                if kv is None:
-                    kv = torch.stack([k, v])  # [2, T, Hkv, D]: one message per hop
-                pending = self.exchange(kv, self.KV_TAG)
+            pending = self.exchange(cur, self.KV_TAG) if s + 1 < self.size else None
             yield (self.rank - s) % self.size, cur[0], cur[1]
             if pending is not None:
-                kv = pending.wait()
-                cur = (kv[0], kv[1])
+                cur = pending.wait()
 
 
 class AccumulatorRing:
-    """A gradient accumulator that follows the K/V blocks round the ring.
+    """Gradient accumulators that follow the K/V blocks round the ring.
 
-    At step s the rank holds block ``src = r − s``: :meth:`add` adds its contribution to the
-    accumulator of that block received from r−1 and sends it on to r+1.  After cp steps the
-    accumulator of the rank's own block has visited every rank and :meth:`result` returns it.
+    At step s the rank holds block ``src = r − s``: :meth:`add` adds its contribution (dK, dV of
+    that block) into the accumulators of the block received from r−1 and sends them on to r+1.
+    After cp steps the accumulators of the rank's own block have visited every rank and
+    :meth:`result` returns them.  Contributions are read, never modified.
     """
 
-    def __init__(self, comm: RingComm) -> None:
-        self._comm = comm
+    def __init__(self, comm: RingComm, dtype: torch.dtype) -> None:
+        self._comm, self._dtype = comm, dtype
         self._pending: _Pending | None = None
-        self._held: torch.Tensor | None = None
+        self._held: Tensors = ()
 
-    def add(self, contribution: torch.Tensor) -> None:
-        if self._pending is not None:
-            contribution = contribution + self._pending.wait()
-        if self._comm.size == 1:
-            self._held = contribution
+    def add(self, *contribution: torch.Tensor) -> None:
+        if self._pending is None:  # first step: the accumulators start as this contribution
+            acc = tuple(c.to(self._dtype) for c in contribution)
         else:
-            self._pending = self._comm.exchange(contribution, RingComm.GRAD_TAG)
-
-    def result(self) -> torch.Tensor:
+            acc = self._pending.wait()  # received buffers: ours to update in place
+            for a, c in zip(acc, contribution, strict=True):
+                a.add_(c)
         if self._comm.size == 1:
-            assert self._held is not None
+            self._held = acc
+        else:
+            self._pending = self._comm.exchange(acc, RingComm.GRAD_TAG)
+
+    def result(self) -> Tensors:
+        if self._comm.size == 1:
             return self._held
         assert self._pending is not None
         return self._pending.wait()
@@ -424,23 +425,20 @@ class RingAttention(torch.autograd.Function):
         geometry, comm, kernel, scale = ctx.geometry, ctx.comm, ctx.kernel, ctx.scale
         dt = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=dt, device=q.device)
-        grads = AccumulatorRing(comm)
+        grads = AccumulatorRing(comm, dt)
         for src, k_src, v_src in comm.circulate(k, v):
             spec = geometry.ring_block(src)
             dk_b, dv_b = block_backward(kernel, spec, dout, q, k_src, v_src, out, lse, dq, scale)
-            if spec.kv_rows is None:
-                contribution = torch.stack([dk_b, dv_b]).to(dt)  # [2, T, Hkv, D]
-            else:
-                contribution = torch.zeros((2, *k.shape), dtype=dt, device=k.device)
-                contribution[0].index_copy_(0, spec.kv_rows, dk_b.to(dt))
-                contribution[1].index_copy_(0, spec.kv_rows, dv_b.to(dt))
-            grads.add(contribution)
-        dkv = grads.result()
+            if spec.kv_rows is not None:  # front half only: scatter into full-block gradients
+                dk_b = dk_b.new_zeros(k.shape, dtype=dt).index_copy_(0, spec.kv_rows, dk_b.to(dt))
+                dv_b = dv_b.new_zeros(v.shape, dtype=dt).index_copy_(0, spec.kv_rows, dv_b.to(dt))
+            grads.add(dk_b, dv_b)  # [T, Hkv, D] each
+        dk, dv = grads.result()
         d_bk, d_bv = branch_grads(dout, q, branch_k, branch_v, out, lse, dq, scale)
         return (
             dq.to(q.dtype),
-            dkv[0].to(k.dtype),
-            dkv[1].to(v.dtype),
+            dk.to(k.dtype),
+            dv.to(v.dtype),
             d_bk,
             d_bv,
             None,

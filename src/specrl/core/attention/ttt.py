@@ -105,12 +105,12 @@ class _RingCollectKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # grad [2, cp·T, Hkv, D]
         comm, t = ctx.comm, ctx.t
-        grads = AccumulatorRing(comm)
+        grads = AccumulatorRing(comm, acc_dtype(grad.dtype))
         for s in range(comm.size):
             src = (comm.rank - s) % comm.size
-            grads.add(grad[:, src * t : (src + 1) * t].to(acc_dtype(grad.dtype)).contiguous())
-        dkv = grads.result().to(grad.dtype)
-        return dkv[0], dkv[1], None
+            grads.add(grad[0, src * t : (src + 1) * t], grad[1, src * t : (src + 1) * t])
+        dk, dv = grads.result()
+        return dk.to(grad.dtype), dv.to(grad.dtype), None
 
 
 class _AllGatherKV(torch.autograd.Function):
@@ -190,7 +190,11 @@ def _check_branch(
 
 
 class TTTSession:
-    """The main K/V of one draft attention layer, attended by every TTT step (see module doc)."""
+    """The main K/V of one draft attention layer, attended by every TTT step (see module doc).
+
+    One session per forward pass: the kept-K/V modes reuse the K/V collected by the first
+    :meth:`attend` (and its autograd node) for every later step.
+    """
 
     def __init__(
         self,
