@@ -8,8 +8,9 @@ and the taps of stages 2 and 5 are produced on the draft's own rank (another chu
 - delivery: two steps of five microbatches with different row counts each; producers send every
   microbatch before the draft's rank collects any (sends never block, whatever the slot depth:
   1, 2 or 5 here); every collected tap equals what was sent, bit for bit, local ones by identity.
-- faults (fresh channels, rank 0 → rank 2): a tap of the wrong row size, of the wrong dtype, a
-  producer that stays silent past the timeout, and a producer whose process exits.  The draft's
+- faults (fresh channels, rank 0 → rank 2): a tap of the wrong row size, of the wrong dtype, of
+  the wrong rank, a producer that stays silent past the timeout (it sent out of order, which its
+  own side refuses), and a producer whose process exits.  The draft's
   rank must raise a TapChannelError naming the producer, stage, microbatch and layer (and for
   shapes, expected and got) within the channel's timeout — the test's spawn timeout bounds it.
 """
@@ -127,9 +128,18 @@ def _wrong_tap(rank: int, bad: torch.Tensor, expect_got: str) -> list[str]:
 
 
 def _silent_producer(rank: int) -> list[str]:
+    """Rank 0 tries microbatch 1 first: refused on its side, so nothing reaches rank 2."""
     channel = _channel((0, 5), timeout=1.0, depth=2)
     channel.begin_step([3, 3])
     failures = []
+    if rank == 0:
+        err = _expect(
+            lambda: channel.send(1, 0, _tap(8, 1, 0, 3)),
+            TapChannelError,
+            "out of order",
+            "expects layer 0 of microbatch 0",
+        )
+        failures += [f"out-of-order send: {err}"] if err else []
     if rank == 2:
         err = _expect(
             lambda: channel.collect(0),
@@ -140,32 +150,35 @@ def _silent_producer(rank: int) -> list[str]:
             "dead or stuck",
         )
         failures += [f"silent producer: {err}"] if err else []
-    dist.barrier()  # rank 0 sends nothing and waits here
+    dist.barrier()  # rank 0 stays alive (and silent) until rank 2 gave up
     return failures
 
 
 def _dead_producer(rank: int) -> list[str]:
     """Rank 0 delivers microbatch 0, then its process exits; rank 2 fails on microbatch 1."""
     channel = _channel((0, 5), timeout=20, depth=2)
-    rows = [3, 3]
-    channel.begin_step(rows)
+    channel.begin_step([3, 3])
     if rank == 0:
         channel.send(0, 0, _tap(9, 0, 0, 3))
-        channel.end_step()  # microbatch 0 delivered; microbatch 1 never sent
+        dist.barrier()  # rank 2 has microbatch 0
+        err = _expect(channel.end_step, TapChannelError, "stage 0 sent 1 of its 2 taps")
+        return [f"incomplete step: {err}"] if err else []  # then the process exits
+    if rank == 1:
+        dist.barrier()
         return []
-    if rank == 2:
-        channel.send(0, 5, _tap(9, 0, 5, 3))
-        if not torch.equal(channel.collect(0)[0], _tap(9, 0, 0, 3)):
-            return ["dead producer: microbatch 0 corrupted"]
-        channel.send(1, 5, _tap(9, 1, 5, 3))
-        err = _expect(
-            lambda: channel.collect(1),
-            TapChannelError,
-            "producer rank 0 (pipeline stage 0)",
-            "dead or stuck",
-        )
-        return [f"dead producer: {err}"] if err else []
-    return []
+    channel.send(0, 5, _tap(9, 0, 5, 3))
+    ok = torch.equal(channel.collect(0)[0], _tap(9, 0, 0, 3))
+    dist.barrier()
+    channel.send(1, 5, _tap(9, 1, 5, 3))
+    err = _expect(
+        lambda: channel.collect(1),
+        TapChannelError,
+        "producer rank 0 (pipeline stage 0)",
+        "dead or stuck",
+    )
+    return ([] if ok else ["dead producer: microbatch 0 corrupted"]) + (
+        [f"dead producer: {err}"] if err else []
+    )
 
 
 def _worker(rank: int, world: int) -> list[str]:

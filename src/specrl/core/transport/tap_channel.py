@@ -258,6 +258,7 @@ class TapChannel:
         self._next = 0  # next microbatch collect() expects
         self._posted: dict[int, dict[int, list[_Recv]]] = {}  # stage → microbatch → receives
         self._sends: list[_Send] = []
+        self._sent: dict[int, int] = {}  # remote stage of this rank → messages sent this step
         self._local: dict[tuple[int, int], torch.Tensor] = {}  # (microbatch, layer) → tap
         self.stats = TapStats()
 
@@ -316,6 +317,7 @@ class TapChannel:
         self._rows, self._next = rows, 0
         self._posted = {s: {} for s in self._slots}
         self._sends, self._local = [], {}
+        self._sent = {s: 0 for s in self._links if self.plan.stage_ranks[s] == self.pp_rank}
         self.stats = TapStats()
         for s in self._slots:
             for m in range(min(self._ring[s], len(rows))):
@@ -332,6 +334,18 @@ class TapChannel:
                 f"tap layer {layer} belongs to stage {stage} on pipeline rank "
                 f"{self.plan.stage_ranks[stage]}, not to this rank ({self.pp_rank})"
             )
+        if not self.is_consumer:  # a link carries microbatches in order, each its layers in order
+            layers = self.plan.layers_of(stage)
+            k = self._sent[stage]
+            if (microbatch, layer) != (k // len(layers), layers[k % len(layers)]):
+                raise TapChannelError(
+                    f"stage {stage} sent tap layer {layer} of microbatch {microbatch} out of "
+                    f"order: its link expects layer {layers[k % len(layers)]} of microbatch "
+                    f"{k // len(layers)} next (every microbatch in order, layers ascending)"
+                )
+            self._sent[stage] = k + 1
+        if not 0 <= microbatch < len(rows):
+            raise ValueError(f"microbatch {microbatch} outside this step's {len(rows)}")
         tap = tensor.detach()
         got = self._header_values(microbatch, layer, tap)
         want = self._expected(microbatch, layer, rows[microbatch])
@@ -410,6 +424,12 @@ class TapChannel:
             lost = self._lost_consumer(send.microbatch, send.layer)
             self._wait(send.header_work, deadline, lost)
             self._wait(send.payload_work, deadline, lost)
+        for stage, k in self._sent.items():
+            total = len(rows) * len(self.plan.layers_of(stage))
+            if k != total:
+                raise TapChannelError(
+                    f"end_step() after stage {stage} sent {k} of its {total} taps this step"
+                )
         if self.is_consumer and self._next != len(rows):
             raise TapChannelError(
                 f"end_step() after collecting {self._next} of {len(rows)} microbatches"
