@@ -332,7 +332,9 @@ class PipelineCotrainer:
         """Forward and backward of this replica's microbatches through the pipeline (the draft
         trained on the last stage), gradients reduced over dp × cp, then — when given — the
         policy optimizer (over :meth:`policy_parameters`) and the draft optimizer (draft ranks)
-        step after their gradient clips.  Gradients stay in ``.grad`` until the next step."""
+        step after their gradient clips.  Gradients stay in ``.grad`` until the next step.
+        Collective: pass a policy optimizer on every rank or on none (its clip norm spans every
+        stage); the draft optimizer matters on the draft's ranks only."""
         t0 = time.perf_counter()
         if len(microbatches) != self.n_microbatches:
             raise ValueError(
