@@ -292,3 +292,39 @@ def test_cp1_ttt_step_never_materializes_a_score_matrix() -> None:
     # scores live in [chunk, Hq, ≤ T] pieces; one step's S×S matrix would be Hq·T² elements
     assert probe.largest <= 32 * hq * t
     assert probe.largest < hq * t * t // 8
+
+
+def test_branch_given_per_step_saves_no_stacked_copy() -> None:
+    """Per-step branch tensors are saved as they are: an unroll keeps O(K), not O(K²), copies."""
+    layout = PackedLayout.from_lengths([6, 3])
+    t, hq, hkv, j = layout.num_tokens, 4, 2, 3
+    gen = torch.Generator().manual_seed(5)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)
+    q, k, v = rand(t, hq, D), rand(t, hkv, D), rand(t, hkv, D)
+    keys = [rand(t, hkv, D).requires_grad_() for _ in range(j)]
+    vals = [rand(t, hkv, D).requires_grad_() for _ in range(j)]
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        out = ttt_session(k, v, layout).attend(q, keys, vals)
+    saved_ptrs = {x.untyped_storage().data_ptr() for x in saved}
+    assert {x.untyped_storage().data_ptr() for x in keys + vals} <= saved_ptrs
+    assert all(x.dim() != 4 for x in saved)  # nothing stacked [J, T, Hkv, D]
+    ref, _ = dense_attention(
+        q, k, v, layout, branch_k=torch.stack(keys), branch_v=torch.stack(vals)
+    )
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    w = rand(t, hq, D)
+    got = torch.autograd.grad((out * w).sum(), keys + vals)
+    want = torch.autograd.grad((ref * w).sum(), keys + vals)
+    for g, r in zip(got, want, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-12, rtol=0)
+
+
+def test_branch_shapes_are_checked() -> None:
+    layout = PackedLayout.from_lengths([4])
+    k = torch.zeros(4, 1, D)
+    session = ttt_session(k, k, layout)
+    with pytest.raises(ValueError, match="both"):
+        session.attend(torch.zeros(4, 2, D), [k])
+    with pytest.raises(ValueError, match="branch K/V"):
+        session.attend(torch.zeros(4, 2, D), [k], [torch.zeros(3, 1, D)])

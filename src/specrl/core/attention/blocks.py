@@ -22,10 +22,10 @@ query heads of each group.
 Kernels:
 
 - ``"torch"`` (:class:`TorchBlocks`): plain torch on any device.  Queries are processed in chunks of
-  ``chunk`` rows against the contiguous key window their segments can see, so temporaries are
-  O(chunk × Tk) and a causal chunk stops at its last query's position.  Computes in float32
-  (float64 for float64 inputs).  A block larger than one chunk reads the chunk windows to the host
-  in a single transfer (no per-sequence sync).
+  at most ``chunk`` rows (whole short segments, or slices of a long one) against the contiguous
+  key window their segments can see, so temporaries are O(chunk × Tk) and a causal chunk stops at
+  its last query's position.  Computes in float32 (float64 for float64 inputs).  A block larger
+  than one chunk reads ``cu_q``/``cu_k`` to the host in a single transfer to plan its chunks.
 - ``"flex"`` (:class:`FlexBlocks`): ``flex_attention`` with a segment(-causal) block mask, compiled
   on CUDA and eager on CPU (forward only there: torch has no CPU backward for flex).  The backward
   recomputes the block under autograd and feeds cotangents that reproduce the identity above
@@ -111,25 +111,34 @@ class TorchBlocks:
         self.chunk = chunk
 
     def _windows(
-        self,
-        seg_q: torch.Tensor,  # [Tq]
-        off_q: torch.Tensor,  # [Tq]
-        cu_k: torch.Tensor,  # [B+1]
-        tq: int,
-        tk: int,
-        causal: bool,
+        self, cu_q: torch.Tensor, cu_k: torch.Tensor, tq: int, tk: int, causal: bool
     ) -> list[tuple[int, int, int, int]]:
-        """(q_start, q_end, k_start, k_end) per query chunk: the keys its segments can see."""
+        """(q_start, q_end, k_start, k_end) per query chunk: the keys its segments can see.
+
+        A chunk is either a run of whole consecutive segments with at most ``chunk`` rows in
+        total, or ``chunk`` rows of one longer segment (causal: its window ends at the last
+        row's own position), so no chunk straddles into a long neighbour's keys.
+        """
         if tq <= self.chunk:
             return [(0, tq, 0, tk)]
-        starts = torch.arange(0, tq, self.chunk, device=seg_q.device)  # [C]
-        last = (starts + self.chunk).clamp(max=tq) - 1  # last row of each chunk
-        lo = cu_k[seg_q[starts]]
-        hi = cu_k[seg_q[last] + 1]
-        if causal:  # equal-length segments: the last row sees keys up to its own offset
-            hi = torch.minimum(hi, cu_k[seg_q[last]] + off_q[last] + 1)
-        windows = torch.stack([starts, last + 1, lo, hi]).T.tolist()  # one host transfer
-        return [tuple(w) for w in windows]
+        bounds_q, bounds_k = torch.stack([cu_q, cu_k]).tolist()  # one host transfer
+        windows: list[tuple[int, int, int, int]] = []
+        run: list[int] | None = None  # [q_start, q_end, k_start, k_end] of short segments
+        for qa, qb, ka, kb in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:], strict=False):
+            if run is not None and (qb - run[0] > self.chunk or qb - qa > self.chunk):
+                windows.append(tuple(run))
+                run = None
+            if qb - qa > self.chunk:
+                for a in range(qa, qb, self.chunk):
+                    b = min(a + self.chunk, qb)
+                    windows.append((a, b, ka, min(kb, ka + b - qa) if causal else kb))
+            elif run is None:
+                run = [qa, qb, ka, kb]
+            else:
+                run[1], run[3] = qb, kb
+        if run is not None:
+            windows.append(tuple(run))
+        return [w for w in windows if w[1] > w[0] and w[3] > w[2]]
 
     def _scores(
         self,
@@ -159,9 +168,7 @@ class TorchBlocks:
             return out.view(tq, hq, d), lse.view(tq, hq)
         seg_q, off_q = segments(cu_q, tq)
         seg_k, off_k = segments(cu_k, tk)
-        for a, b, lo, hi in self._windows(seg_q, off_q, cu_k, tq, tk, causal):
-            if hi <= lo:
-                continue
+        for a, b, lo, hi in self._windows(cu_q, cu_k, tq, tk, causal):
             qc = q[a:b].to(dt).view(b - a, hkv, g, d)
             s = self._scores(
                 qc,
@@ -195,9 +202,7 @@ class TorchBlocks:
         seg_q, off_q = segments(cu_q, tq)
         seg_k, off_k = segments(cu_k, tk)
         final_lse = _final_lse_for_backward(lse, dt).view(tq, hkv, g, 1)
-        for a, b, lo, hi in self._windows(seg_q, off_q, cu_k, tq, tk, causal):
-            if hi <= lo:
-                continue
+        for a, b, lo, hi in self._windows(cu_q, cu_k, tq, tk, causal):
             n = b - a
             qc = q[a:b].to(dt).view(n, hkv, g, d)
             kc, vc = k[lo:hi].to(dt), v[lo:hi].to(dt)

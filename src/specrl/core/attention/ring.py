@@ -15,9 +15,11 @@ Every step costs every rank 2c² query–key pairs per sequence.  The next K/V b
 (isend to r+1, irecv from r−1) before the current one is computed.  Partial (out, lse) are merged
 in float32 (float64 for float64 inputs) by log-sum-exp.
 
-Branch (TTT steps 1..J, rank-local): query i also attends to ``branch_k[j, i]`` for every j — its
-own speculative chain at the same index — in the same softmax; GQA maps each query head to its kv
-head.  Branch scores are [T, Hq, J], merged like any other block.
+Branch (TTT steps 1..J, rank-local): query i also attends to ``K^j_i`` for every j — its own
+speculative chain at the same index — in the same softmax; GQA maps each query head to its kv
+head.  The branch keys/values come as J separate [T, Hkv, D] tensors (the activations each TTT
+step produced) and are never stacked into a saved copy, so an unroll of K steps keeps O(K), not
+O(K²), branch tensors.  Branch scores are [T, Hq, J], merged like any other block.
 
 Backward runs every block with the **final** merged O and L (see :mod:`blocks`): the K/V blocks
 circulate again, dq accumulates locally in float32, and a float32 dK/dV accumulator follows the
@@ -237,55 +239,58 @@ class AccumulatorRing:
 
 def branch_forward(
     q: torch.Tensor,  # [T, Hq, D]
-    branch_k: torch.Tensor,  # [J, T, Hkv, D]
-    branch_v: torch.Tensor,  # [J, T, Hkv, D]
+    branch_k: Tensors,  # J × [T, Hkv, D]
+    branch_v: Tensors,  # J × [T, Hkv, D]
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, Hq, D], lse [T, Hq] (acc dtype)
     """Attention of each query over its own J branch keys (same index, one per TTT step)."""
     t, hq, d = q.shape
-    hkv = branch_k.shape[2]
+    hkv = branch_k[0].shape[1]
     dt = acc_dtype(q.dtype)
     qg = q.to(dt).view(t, hkv, hq // hkv, d)
-    s = torch.einsum("thgd,jthd->thgj", qg, branch_k.to(dt)).mul_(scale)  # [T, Hkv, G, J]
-    lse = torch.logsumexp(s, dim=-1)  # [T, Hkv, G]
-    p = s.sub_(lse.unsqueeze(-1)).exp_()
-    out = torch.einsum("thgj,jthd->thgd", p, branch_v.to(dt))
+    s = torch.stack([torch.einsum("thgd,thd->thg", qg, k_j.to(dt)) for k_j in branch_k], -1)
+    lse = torch.logsumexp(s.mul_(scale), dim=-1)  # [T, Hkv, G]
+    p = s.sub_(lse.unsqueeze(-1)).exp_()  # [T, Hkv, G, J]
+    out = sum(p[..., j, None] * v_j.to(dt).unsqueeze(2) for j, v_j in enumerate(branch_v))
     return out.reshape(t, hq, d), lse.reshape(t, hq)
 
 
 def branch_backward(
     dout: torch.Tensor,  # [T, Hq, D]
     q: torch.Tensor,  # [T, Hq, D]
-    branch_k: torch.Tensor,  # [J, T, Hkv, D]
-    branch_v: torch.Tensor,  # [J, T, Hkv, D]
+    branch_k: Tensors,  # J × [T, Hkv, D]
+    branch_v: Tensors,  # J × [T, Hkv, D]
     out: torch.Tensor,  # [T, Hq, D] final merged
     lse: torch.Tensor,  # [T, Hq] final merged
+    dq: torch.Tensor,  # [T, Hq, D] accumulator (acc dtype), updated in place
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # dq (acc), dbranch_k, dbranch_v (acc)
+) -> tuple[Tensors, Tensors]:  # d branch_k, d branch_v (J × [T, Hkv, D] each)
     """Closed-form branch gradients with the final (O, L): p = exp(s − L), D = ⟨dO, O⟩."""
     t, hq, d = q.shape
-    hkv = branch_k.shape[2]
+    hkv = branch_k[0].shape[1]
     g = hq // hkv
     dt = acc_dtype(q.dtype)
     qg = q.to(dt).view(t, hkv, g, d)
-    bk, bv = branch_k.to(dt), branch_v.to(dt)
     do = dout.to(dt).view(t, hkv, g, d)
-    delta = (do * out.to(dt).view(t, hkv, g, d)).sum(-1, keepdim=True)  # [T, Hkv, G, 1]
-    s = torch.einsum("thgd,jthd->thgj", qg, bk).mul_(scale)
-    p = s.sub_(lse.to(dt).view(t, hkv, g, 1)).exp_()  # every row sees its own key: L finite
-    d_bv = torch.einsum("thgj,thgd->jthd", p, do)
-    ds = torch.einsum("thgd,jthd->thgj", do, bv).sub_(delta).mul_(p)
-    dq = torch.einsum("thgj,jthd->thgd", ds, bk).mul_(scale).reshape(t, hq, d)
-    d_bk = torch.einsum("thgj,thgd->jthd", ds, qg).mul_(scale)
-    return dq, d_bk, d_bv
+    delta = (do * out.to(dt).view(t, hkv, g, d)).sum(-1)  # [T, Hkv, G]
+    final = lse.to(dt).view(t, hkv, g)  # every row sees its own main key: L finite
+    dqg = dq.view(t, hkv, g, d)
+    d_bk, d_bv = [], []
+    for k_j, v_j in zip(branch_k, branch_v, strict=True):
+        k_j, v_j = k_j.to(dt), v_j.to(dt)
+        p = (torch.einsum("thgd,thd->thg", qg, k_j).mul_(scale) - final).exp_()  # [T, Hkv, G]
+        d_bv.append(torch.einsum("thg,thgd->thd", p, do).to(v_j.dtype))
+        ds = (torch.einsum("thgd,thd->thg", do, v_j) - delta).mul_(p).mul_(scale)
+        dqg += ds.unsqueeze(-1) * k_j.unsqueeze(2)
+        d_bk.append(torch.einsum("thg,thgd->thd", ds, qg))
+    return (
+        tuple(x.to(k.dtype) for x, k in zip(d_bk, branch_k, strict=True)),
+        tuple(x.to(v.dtype) for x, v in zip(d_bv, branch_v, strict=True)),
+    )
 
 
 def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return x if rows is None else x.index_select(0, rows)
-
-
-def has_branch(branch_k: torch.Tensor | None) -> bool:
-    return branch_k is not None and branch_k.shape[0] > 0
 
 
 class PartialAttention:
@@ -335,13 +340,12 @@ class PartialAttention:
     def add_branch(
         self,
         q: torch.Tensor,  # [T, Hq, D]
-        branch_k: torch.Tensor | None,  # [J, T, Hkv, D]
-        branch_v: torch.Tensor | None,
+        branch_k: Tensors,  # J × [T, Hkv, D]
+        branch_v: Tensors,
         scale: float,
     ) -> None:
-        """Merge the branch part, if any."""
-        if has_branch(branch_k):
-            assert branch_v is not None
+        """Merge the branch part, if any (J = 0: nothing)."""
+        if branch_k:
             self.add(None, *branch_forward(q, branch_k, branch_v, scale))
 
 
@@ -381,47 +385,46 @@ def block_backward(
 
 
 def branch_grads(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    branch_k: torch.Tensor | None,
-    branch_v: torch.Tensor | None,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dq: torch.Tensor,  # accumulator, updated in place
+    dout: torch.Tensor,  # [T, Hq, D]
+    q: torch.Tensor,  # [T, Hq, D]
+    branch: list[torch.Tensor],  # J branch keys then J branch values
+    out: torch.Tensor,  # [T, Hq, D] final
+    lse: torch.Tensor,  # [T, Hq] final
+    dq: torch.Tensor,  # [T, Hq, D] accumulator, updated in place
     scale: float,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Branch gradients (dq accumulated in place); None for an absent or empty branch."""
-    if branch_k is None or branch_v is None:
-        return None, None
-    if branch_k.shape[0] == 0:
-        return torch.zeros_like(branch_k), torch.zeros_like(branch_v)
-    dq_b, d_bk, d_bv = branch_backward(dout, q, branch_k, branch_v, out, lse, scale)
-    dq += dq_b
-    return d_bk.to(branch_k.dtype), d_bv.to(branch_v.dtype)
+) -> Tensors:
+    """Gradients of the flattened branch inputs of an attention Function (dq accumulated)."""
+    if not branch:
+        return ()
+    j = len(branch) // 2
+    d_bk, d_bv = branch_backward(dout, q, branch[:j], branch[j:], out, lse, dq, scale)
+    return (*d_bk, *d_bv)
 
 
 class RingAttention(torch.autograd.Function):
     """Zigzag ring attention over the main K/V with the rank-local branch merged.
 
-    ``apply(q, k, v, branch_k, branch_v, geometry, comm, kernel, scale) -> (out, lse)``;
-    ``out`` [T, Hq, D] in q's dtype, ``lse`` [T, Hq] (float32/float64, no gradient).
+    ``apply(q, k, v, geometry, comm, kernel, scale, *branch_k, *branch_v) -> (out, lse)`` with
+    J branch keys then J branch values ([T, Hkv, D] each); ``out`` [T, Hq, D] in q's dtype,
+    ``lse`` [T, Hq] (float32/float64, no gradient).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, branch_k, branch_v, geometry, comm, kernel, scale):
+    def forward(ctx, q, k, v, geometry, comm, kernel, scale, *branch):
+        branch_k, branch_v = branch[: len(branch) // 2], branch[len(branch) // 2 :]
         acc = PartialAttention()
         for src, k_src, v_src in comm.circulate(k, v):
             acc.add_block(kernel, geometry.ring_block(src), q, k_src, v_src, scale)
         acc.add_branch(q, branch_k, branch_v, scale)
         out, lse = acc.out.to(q.dtype), acc.lse
-        ctx.save_for_backward(q, k, v, branch_k, branch_v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *branch)
         ctx.geometry, ctx.comm, ctx.kernel, ctx.scale = geometry, comm, kernel, scale
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, branch_k, branch_v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *branch = ctx.saved_tensors
         geometry, comm, kernel, scale = ctx.geometry, ctx.comm, ctx.kernel, ctx.scale
         dt = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=dt, device=q.device)
@@ -434,15 +437,5 @@ class RingAttention(torch.autograd.Function):
                 dv_b = dv_b.new_zeros(v.shape, dtype=dt).index_copy_(0, spec.kv_rows, dv_b.to(dt))
             grads.add(dk_b, dv_b)  # [T, Hkv, D] each
         dk, dv = grads.result()
-        d_bk, d_bv = branch_grads(dout, q, branch_k, branch_v, out, lse, dq, scale)
-        return (
-            dq.to(q.dtype),
-            dk.to(k.dtype),
-            dv.to(v.dtype),
-            d_bk,
-            d_bv,
-            None,
-            None,
-            None,
-            None,
-        )
+        d_branch = branch_grads(dout, q, branch, out, lse, dq, scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, *d_branch

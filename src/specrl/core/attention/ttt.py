@@ -8,7 +8,7 @@ main K/V once; each :meth:`TTTSession.attend` is one step::
     session = ttt_session(k0, v0, plan.local, cp=CPContext.from_group(group), mode="ring")
     out0 = session.attend(q0)                                   # step 0: no branch
     out1 = session.attend(q1, branch_k=k1[None], branch_v=v1[None])
-    out2 = session.attend(q2, branch_k=torch.stack([k1, k2]), branch_v=torch.stack([v1, v2]))
+    out2 = session.attend(q2, branch_k=[k1, k2], branch_v=[v1, v2])   # or stacked [2, T, Hkv, D]
 
 Gradients flow to q, the main K/V (summed over all steps) and the branch K/V.  With context
 parallelism the tensors are the rank's zigzag shard and ``layout`` is ``ZigzagPlan.local``.
@@ -36,6 +36,7 @@ rank for every call) kept for benchmarks.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -136,23 +137,26 @@ class _AllGatherKV(torch.autograd.Function):
 
 
 class _GatheredAttention(torch.autograd.Function):
-    """Local q × the whole main K/V ([2, cp·T, Hkv, D]) with the zigzag mask, plus the branch."""
+    """Local q × the whole main K/V ([2, cp·T, Hkv, D]) with the zigzag mask, plus the branch.
+
+    ``apply(q, kv_all, geometry, kernel, scale, *branch_k, *branch_v) -> (out, lse)``.
+    """
 
     @staticmethod
-    def forward(ctx, q, kv_all, branch_k, branch_v, geometry, kernel, scale):
+    def forward(ctx, q, kv_all, geometry, kernel, scale, *branch):
         acc = PartialAttention()
         for spec in geometry.gathered_blocks():
             acc.add_block(kernel, spec, q, kv_all[0], kv_all[1], scale)
-        acc.add_branch(q, branch_k, branch_v, scale)
+        acc.add_branch(q, branch[: len(branch) // 2], branch[len(branch) // 2 :], scale)
         out, lse = acc.out.to(q.dtype), acc.lse
-        ctx.save_for_backward(q, kv_all, branch_k, branch_v, out, lse)
+        ctx.save_for_backward(q, kv_all, out, lse, *branch)
         ctx.geometry, ctx.kernel, ctx.scale = geometry, kernel, scale
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, kv_all, branch_k, branch_v, out, lse = ctx.saved_tensors
+        q, kv_all, out, lse, *branch = ctx.saved_tensors
         dt = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=dt, device=q.device)
         dkv = torch.zeros(kv_all.shape, dtype=dt, device=q.device)
@@ -162,8 +166,8 @@ class _GatheredAttention(torch.autograd.Function):
             )
             dkv[0].index_add_(0, spec.kv_rows, dk_b.to(dt))
             dkv[1].index_add_(0, spec.kv_rows, dv_b.to(dt))
-        d_bk, d_bv = branch_grads(dout, q, branch_k, branch_v, out, lse, dq, ctx.scale)
-        return dq.to(q.dtype), dkv.to(kv_all.dtype), d_bk, d_bv, None, None, None
+        d_branch = branch_grads(dout, q, branch, out, lse, dq, ctx.scale)
+        return dq.to(q.dtype), dkv.to(kv_all.dtype), None, None, None, *d_branch
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout) -> None:
@@ -176,17 +180,27 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayo
         raise ValueError(f"layout has {layout.num_tokens} tokens, q has {t}")
 
 
-def _check_branch(
-    q: torch.Tensor, k: torch.Tensor, branch_k: torch.Tensor | None, branch_v: torch.Tensor | None
-) -> None:
+Branch = torch.Tensor | Sequence[torch.Tensor] | None
+
+
+def _branch(k: torch.Tensor, branch_k: Branch, branch_v: Branch) -> tuple[torch.Tensor, ...]:
+    """Branch K/V as one flat tuple (J keys, then J values) of [T, Hkv, D] tensors.
+
+    Accepts a stacked [J, T, Hkv, D] tensor (unbound into views) or a sequence of J tensors;
+    passing the per-step tensors themselves avoids saving a stacked copy at every step.
+    """
     if (branch_k is None) != (branch_v is None):
         raise ValueError("pass both branch_k and branch_v, or neither")
-    if branch_k is not None and (
-        branch_k.shape != branch_v.shape or branch_k.dim() != 4 or branch_k.shape[1:] != k.shape
-    ):
+    if branch_k is None:
+        return ()
+    keys = branch_k.unbind(0) if isinstance(branch_k, torch.Tensor) else tuple(branch_k)
+    vals = branch_v.unbind(0) if isinstance(branch_v, torch.Tensor) else tuple(branch_v)
+    if len(keys) != len(vals) or any(x.shape != k.shape for x in (*keys, *vals)):
         raise ValueError(
-            f"branch K/V must be [J, {', '.join(map(str, k.shape))}]; got {tuple(branch_k.shape)}"
+            f"branch K/V must be J × [{', '.join(map(str, k.shape))}] (or stacked [J, …]); "
+            f"got {[tuple(x.shape) for x in keys]} and {[tuple(x.shape) for x in vals]}"
         )
+    return (*keys, *vals)
 
 
 class TTTSession:
@@ -218,34 +232,24 @@ class TTTSession:
     def attend(
         self,
         q: torch.Tensor,  # [T, Hq, D]
-        branch_k: torch.Tensor | None = None,  # [J, T, Hkv, D]
-        branch_v: torch.Tensor | None = None,  # [J, T, Hkv, D]
+        branch_k: Branch = None,  # [J, T, Hkv, D] or J × [T, Hkv, D]
+        branch_v: Branch = None,  # [J, T, Hkv, D] or J × [T, Hkv, D]
         *,
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One TTT step: ``out`` [T, Hq, D] (and ``lse`` [T, Hq] without gradient)."""
         _check(q, self.k, self.v, self.layout)
-        _check_branch(q, self.k, branch_k, branch_v)
+        branch = _branch(self.k, branch_k, branch_v)
         scale = 1.0 / math.sqrt(q.shape[-1]) if self.scale is None else self.scale
         if self.cp.size == 1 or self.mode == "ring":
-            out, lse = RingAttention.apply(
-                q,
-                self.k,
-                self.v,
-                branch_k,
-                branch_v,
-                self._geometry,
-                self._comm,
-                self.kernel,
-                scale,
-            )
+            args = (self._geometry, self._comm, self.kernel, scale)
+            out, lse = RingAttention.apply(q, self.k, self.v, *args, *branch)
         else:
             if self._kv_all is None:
                 collect = _RingCollectKV if self.mode == "ring_once" else _AllGatherKV
                 self._kv_all = collect.apply(self.k, self.v, self._comm)
-            out, lse = _GatheredAttention.apply(
-                q, self._kv_all, branch_k, branch_v, self._geometry, self.kernel, scale
-            )
+            args = (self._geometry, self.kernel, scale)
+            out, lse = _GatheredAttention.apply(q, self._kv_all, *args, *branch)
         return (out, lse) if return_lse else out
 
 
@@ -287,8 +291,8 @@ def allgather_attention(
     layout: PackedLayout,
     cp: CPContext | None = None,
     *,
-    branch_k: torch.Tensor | None = None,  # [J, T, Hkv, D]
-    branch_v: torch.Tensor | None = None,
+    branch_k: Branch = None,  # [J, T, Hkv, D] or J × [T, Hkv, D]
+    branch_v: Branch = None,
     kernel: str | BlockKernel = "torch",
     scale: float | None = None,
     return_lse: bool = False,
@@ -297,12 +301,12 @@ def allgather_attention(
     q × full K/V.  Exact, but every call keeps a full-length K/V copy for backward."""
     cp = cp or CPContext(None)
     _check(q, k, v, layout)
-    _check_branch(q, k, branch_k, branch_v)
+    branch = _branch(k, branch_k, branch_v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     comm, geometry, kern = cp.comm(), RingGeometry(layout, cp.size, cp.rank), get_kernel(kernel)
     if cp.size == 1:
-        out, lse = RingAttention.apply(q, k, v, branch_k, branch_v, geometry, comm, kern, scale)
+        out, lse = RingAttention.apply(q, k, v, geometry, comm, kern, scale, *branch)
     else:
         kv_all = _AllGatherKV.apply(k, v, comm)
-        out, lse = _GatheredAttention.apply(q, kv_all, branch_k, branch_v, geometry, kern, scale)
+        out, lse = _GatheredAttention.apply(q, kv_all, geometry, kern, scale, *branch)
     return (out, lse) if return_lse else out
