@@ -82,7 +82,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/decode.json")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: stable timings on shared machines)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     new_tokens = 32 if args.quick else 64
     repeats = 2 if args.quick else args.repeats

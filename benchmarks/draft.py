@@ -195,7 +195,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: stable timings on shared machines)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     costs = cost_rows(args.context, 5 if args.quick else args.repeats, args.quick)
     lengths = [128, 256, 512] if args.quick else [256, 512, 1024, 2048]

@@ -614,7 +614,13 @@ class RLTrainer:
     def _on_signal(self, signum, frame) -> None:
         self._stop_signal = signum
 
-    def run(self, on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    def steps(self):
+        """Run the remaining steps one at a time, yielding each step's metrics record.
+
+        Metrics are appended to ``metrics.jsonl``, checkpoints saved on schedule and on
+        SIGTERM/SIGINT (then :class:`Interrupted` is raised).  Several trainers can be stepped
+        alternately (benchmarks interleave runs so machine noise hits them alike).
+        """
         tr = self.recipe.train
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         writer = None
@@ -622,7 +628,6 @@ class RLTrainer:
             writer = MetricsWriter(
                 self.run_dir / "metrics.jsonl", truncate_after_step=self.start_step
             )
-        last: dict[str, Any] = {}
         try:
             if self.start_step == 0:
                 self._sync_engine(0)
@@ -638,9 +643,6 @@ class RLTrainer:
                     ).accuracy
                 if writer is not None:
                     writer.write(rec)
-                last = rec
-                if on_step is not None:
-                    on_step(rec)
                 done = step + 1
                 every = self.recipe.checkpoint.every
                 stop = self._stop_flag()
@@ -652,6 +654,7 @@ class RLTrainer:
                         f"stopped by {name} after step {done}; checkpoint saved",
                         hint="continue with: specrl train <recipe> --resume",
                     )
+                yield rec
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -661,6 +664,14 @@ class RLTrainer:
             from specrl.train.plots import plot_run
 
             plot_run(self.run_dir)
+
+    def run(self, on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """All remaining steps; ``on_step(record)`` after each; returns the last record."""
+        last: dict[str, Any] = {}
+        for rec in self.steps():
+            last = rec
+            if on_step is not None:
+                on_step(rec)
         return last
 
     def _stop_flag(self) -> int:
