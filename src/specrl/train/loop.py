@@ -363,7 +363,7 @@ class RLTrainer:
         order = list(range(len(samples)))
         chunks = [order[i :: a.minibatches] for i in range(a.minibatches)]
         model = self.ddp or self.policy
-        taps = self.draft.config.tap_layers if self.draft_opt is not None else ()
+        taps = self.draft.config.tap_layers if self.draft is not None else ()
         acc: dict[str, list[float]] = {}
         t_policy = t_draft = 0.0
         for chunk in chunks:
@@ -405,6 +405,23 @@ class RLTrainer:
                 ("policy_grad_norm", float(gnorm)),
             ):
                 acc.setdefault(k, []).append(v)
+            if self.draft is not None and self.draft_opt is None and chunk is chunks[0]:
+                # frozen draft: measure (no update) how well it still matches the moving policy
+                with torch.no_grad():
+                    inputs = ttt_inputs(ids, mask, layout, d.ttt_steps)
+                    feats = Eagle3Draft.concat_taps(out.taps, self.draft.config.tap_layers)
+                    res = self.draft.ttt_forward(feats, inputs.step_ids, layout)
+                    tl = ttt_loss(
+                        res,
+                        teacher_from_logits(out.logits, self.draft),
+                        inputs,
+                        layout,
+                        kind=d.loss,
+                        decay=d.decay,
+                        reduce=_all_reduce_,
+                    )
+                acc.setdefault("draft_sim_tau", []).append(tl.tau)
+                acc.setdefault("draft_acc", []).append(tl.acc)  # type: ignore[arg-type]
             if self.draft_opt is None:
                 continue
             t0 = time.perf_counter()
@@ -464,7 +481,15 @@ class RLTrainer:
         accepted = a["accepted"] - b["accepted"]
         draft_tokens = a["draft_tokens"] - b["draft_tokens"]
         sel_b, sel_a = before["gating"].get("selections", {}), after["gating"].get("selections", {})
+        by_proposer = {}
+        for name, st in after["proposers"].items():
+            st0 = before["proposers"].get(name, {"drafts": 0, "accepted": 0})
+            if st["drafts"] > st0["drafts"]:
+                by_proposer[name] = 1 + (st["accepted"] - st0["accepted"]) / (
+                    st["drafts"] - st0["drafts"]
+                )
         return {
+            "tau_by_proposer": by_proposer,
             "drafts": drafts,
             "accepted": accepted,
             "draft_tokens": draft_tokens,
@@ -522,6 +547,7 @@ class RLTrainer:
             "acceptance_rate": g["accepted"] / g["draft_tokens"] if g["draft_tokens"] else None,
             "per_position_acceptance": per_pos,
             "drafter_selections": spec["selections"],
+            "tau_by_proposer": spec["tau_by_proposer"],
             "forwards_per_token": g["target_forwards"] / max(g["rollout_tokens"], 1),
             "spec_alarms": int(g["alarms"]),
             "rollout_tokens": int(g["rollout_tokens"]),
