@@ -51,9 +51,10 @@ def test_single_process_run(first_run):
                     "draft_sim_tau", "policy_loss", "rollout_tokens_per_s", "time_rollout",
                     "time_policy_update", "time_draft_update", "time_sync"):
             assert key in r, key
-        assert r["tau"] is not None and r["tau"] >= 1.0
+        assert r["tau"] is None or r["tau"] >= 1.0  # None: the gate kept that step plain
         assert set(r["drafter_selections"]) <= {f"{p}/k={k}" for p in ("eagle3", "ngram")
                                                for k in (1, 2, 3)}
+    assert any(r["tau"] is not None for r in recs)
     assert "heldout_accuracy" in recs[1] and "heldout_accuracy" in recs[3]
     assert (run / "recipe.resolved.yaml").is_file() and (run / "curves.png").stat().st_size > 0
     latest = (run / "checkpoints" / "latest").read_text().strip()
