@@ -251,7 +251,9 @@ def branch_forward(
     s = torch.stack([torch.einsum("thgd,thd->thg", qg, k_j.to(dt)) for k_j in branch_k], -1)
     lse = torch.logsumexp(s.mul_(scale), dim=-1)  # [T, Hkv, G]
     p = s.sub_(lse.unsqueeze(-1)).exp_()  # [T, Hkv, G, J]
-    out = sum(p[..., j, None] * v_j.to(dt).unsqueeze(2) for j, v_j in enumerate(branch_v))
+    out = torch.zeros_like(qg)  # [T, Hkv, G, D]
+    for j, v_j in enumerate(branch_v):
+        out.addcmul_(p[..., j, None], v_j.to(dt).unsqueeze(2))
     return out.reshape(t, hq, d), lse.reshape(t, hq)
 
 
@@ -281,7 +283,7 @@ def branch_backward(
         p = (torch.einsum("thgd,thd->thg", qg, k_j).mul_(scale) - final).exp_()  # [T, Hkv, G]
         d_bv.append(torch.einsum("thg,thgd->thd", p, do).to(v_j.dtype))
         ds = (torch.einsum("thgd,thd->thg", do, v_j) - delta).mul_(p).mul_(scale)
-        dqg += ds.unsqueeze(-1) * k_j.unsqueeze(2)
+        dqg.addcmul_(ds.unsqueeze(-1), k_j.unsqueeze(2))
         d_bk.append(torch.einsum("thg,thgd->thd", ds, qg))
     return (
         tuple(x.to(k.dtype) for x, k in zip(d_bk, branch_k, strict=True)),
