@@ -1,0 +1,423 @@
+"""Rollout tokens/s on the toy task: specrl plain, n-gram, EAGLE-3, best-of-N vs ``transformers``.
+
+Issue 6's benchmark.  One target (toy-small, warm-started on addition), its EAGLE-3 draft, and
+the same weights loaded by ``transformers``.  For each decoding mode (``sampled``: temperature 1,
+what RL does; ``greedy``: what ``transformers``' prompt lookup is usually run with) and each batch
+size B (concurrent requests), every variant decodes the same prompts with the same ``max_tokens``:
+
+- ``specrl plain``: the engine without speculation;
+- ``specrl ngram``, ``specrl eagle3``: one proposer, the engine's default gate and bandit over k;
+- ``specrl best-of-N``: the bandit picks per request between ``eagle3`` and ``ngram`` (and k),
+  behind the batch-size gate;
+- ``hf plain``: ``model.generate`` (greedy, or ``do_sample`` at T = 1 with top-k/top-p off);
+- ``hf prompt lookup``: assisted generation with ``prompt_lookup_num_tokens``; ``transformers``
+  allows it at batch size 1 only ("assisted generate is only supported for batch_size = 1"), so
+  its other rows are marked unsupported.
+
+Workload: P = max(B, 8) addition prompts per measured run, one sample each.  specrl gets them
+all with B KV-cache slots; ``transformers`` decodes them in static batches of B (left padded).
+At B = 1 both decode the prompts one after the other; at B ≥ 8 P = B, one wave, so continuous
+batching gives specrl no refill advantage.  Tokens = generated tokens up to and including eos
+(``transformers`` keeps finished rows in its batch until all are done: that is its real cost).
+
+Engines are built once per (mode, B) and warmed with two runs on other prompts (allocations,
+the gate's cost model, the bandit: an RL engine lives for the whole run).  Each measured repeat
+uses a fresh prompt set (the same for every variant), so the n-gram proposer's history of earlier
+responses never holds the prompt being decoded: n-gram drafts come from the prompt and the
+sequence itself, as with prompt lookup.  Variants are interleaved, in a rotated order per repeat,
+and the median over repeats is reported.  One torch thread; time is the thread's CPU time by
+default (``--clock cpu``: on a shared machine it measures the work done, not the wait for a
+core); ``--clock wall`` for a dedicated machine.  The engines' gates read the same clock.
+
+Greedy outputs are checked: every specrl variant must reproduce specrl plain token for token
+(``exact`` column); ``transformers``' agreement with specrl plain is reported too (batched
+``transformers`` runs on left-padded inputs, whose rounding can flip a near-tie).
+
+    python benchmarks/rollout.py --target runs/toy/target --draft runs/toy/draft
+    python benchmarks/rollout.py --quick          # B = 1, 8, sampled only, 1 repeat
+
+Writes ``benchmarks/results/rollout.json`` and prints a Rich table plus the issue's targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specrl.models.checkpoint import load_model, load_tokenizer
+from specrl.models.decoder import Transformer
+from specrl.models.tokenizer import TextCodec
+from specrl.rl.tasks import AdditionTask
+from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
+
+MAX_K = 4
+SPECRL = ("specrl plain", "specrl ngram", "specrl eagle3", "specrl best-of-N")
+HF = ("hf plain", "hf prompt lookup")
+COLUMNS = (
+    "mode", "batch", "variant", "tok_s", "vs_plain", "vs_hf", "tau", "acceptance",
+    "spec_step_share", "forwards_per_token", "exact", "agree",
+)  # fmt: skip
+
+
+def spec_configs(draft: Path) -> dict[str, SpecConfig | None]:
+    eagle = {"eagle3": {"path": str(draft)}}
+    return {
+        "specrl plain": None,
+        "specrl ngram": SpecConfig(("ngram",), max_k=MAX_K),
+        "specrl eagle3": SpecConfig(("eagle3",), max_k=MAX_K, proposer_options=eagle),
+        "specrl best-of-N": SpecConfig(("eagle3", "ngram"), max_k=MAX_K, proposer_options=eagle),
+    }
+
+
+def prompt_set(codec: TextCodec, count: int, seed: int) -> list[list[int]]:
+    problems = AdditionTask().sample(random.Random(seed), count)
+    return [codec.encode_prompt(p.prompt) for p in problems]
+
+
+class HFRunner:
+    """``transformers`` ``generate`` over static batches of B prompts (left padded)."""
+
+    def __init__(self, path: Path, eos: int, pad: int) -> None:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.eos, self.pad = eos, pad
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        batch: int,
+        greedy: bool,
+        max_tokens: int,
+        seed: int,
+        lookup: int = 0,
+    ) -> list[list[int]]:
+        torch.manual_seed(seed)
+        kw: dict = dict(max_new_tokens=max_tokens, eos_token_id=self.eos, pad_token_id=self.pad)
+        if greedy:
+            kw.update(do_sample=False)
+        else:
+            kw.update(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+        if lookup:
+            kw.update(prompt_lookup_num_tokens=lookup)
+        out = []
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i : i + batch]
+            width = max(len(p) for p in chunk)
+            ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            gen = self.model.generate(ids, attention_mask=mask, **kw)[:, width:].tolist()
+            for row in gen:
+                n = row.index(self.eos) + 1 if self.eos in row else len(row)
+                out.append(row[:n])
+        return out
+
+
+BASE_KEYS = ("seconds", "wall", "tokens", "out")  # per measured run; engines add their counters
+
+
+def engine_stats(engine: RolloutEngine) -> dict:
+    s = engine.stats()
+    return {
+        "drafts": s["spec"]["drafts"],
+        "draft_tokens": s["spec"]["draft_tokens"],
+        "accepted": s["spec"]["accepted"],
+        "spec_steps": s["gating"]["spec_steps"],
+        "plain_steps": s["gating"]["plain_steps"],
+        "forwards": s["target_forwards"],
+    }
+
+
+@dataclass
+class Setup:
+    """What every measured run of one mode shares."""
+
+    mode: str  # "sampled" | "greedy"
+    model: Transformer
+    codec: TextCodec
+    hf: HFRunner
+    specs: dict[str, SpecConfig | None]
+    max_tokens: int
+    lookup: int  # prompt_lookup_num_tokens
+    clock: Callable[[], float]
+
+    @property
+    def greedy(self) -> bool:
+        return self.mode == "greedy"
+
+
+def run_variant(
+    setup: Setup, engines: dict[str, RolloutEngine], name: str, batch: int,
+    prompts: list[list[int]], seed: int,
+) -> list[list[int]] | None:  # fmt: skip
+    """Generated tokens per prompt (None: the variant does not support this batch size)."""
+    if name == "hf plain":
+        return setup.hf.generate(prompts, batch, setup.greedy, setup.max_tokens, seed)
+    if name == "hf prompt lookup":
+        if batch > 1:
+            return None  # transformers: assisted generation needs batch size 1
+        return setup.hf.generate(
+            prompts, batch, setup.greedy, setup.max_tokens, seed, lookup=setup.lookup
+        )
+    temperature = 0.0 if setup.greedy else 1.0
+    reqs = [
+        Request(p, SamplingParams(setup.max_tokens, temperature, seed=seed * 1000 + i))
+        for i, p in enumerate(prompts)
+    ]
+    return [r.tokens for r in engines[name].generate(reqs)]
+
+
+def measure_batch(setup: Setup, batch: int, repeats: int) -> dict[str, list[dict]]:
+    """Warm-up, then ``repeats`` interleaved rounds of every variant; per-run records."""
+    engines = {
+        name: RolloutEngine(
+            setup.model, codec=setup.codec, max_batch_size=batch, spec=spec, seed=0,
+            clock=setup.clock,
+        )
+        for name, spec in setup.specs.items()
+    }  # fmt: skip
+    count = max(batch, 8)
+    names = [*SPECRL, *HF]
+    for w in range(2):  # warm-up on other prompts
+        for name in names:
+            prompts = prompt_set(setup.codec, count, 10_000 + 100 * batch + w)
+            run_variant(setup, engines, name, batch, prompts, w)
+    samples: dict[str, list[dict]] = {name: [] for name in names}
+    for rep in range(repeats):
+        prompts = prompt_set(setup.codec, count, 1 + rep)
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            before = engine_stats(engines[name]) if name in engines else None
+            t0, w0 = setup.clock(), time.perf_counter()
+            out = run_variant(setup, engines, name, batch, prompts, rep + 1)
+            seconds, wall = setup.clock() - t0, time.perf_counter() - w0
+            if out is None:
+                continue
+            rec = dict(zip(BASE_KEYS, (seconds, wall, sum(map(len, out)), out), strict=True))
+            if before is not None:
+                after = engine_stats(engines[name])
+                rec.update({k: after[k] - before[k] for k in after})
+            samples[name].append(rec)
+    return samples
+
+
+def summarize(mode: str, batch: int, name: str, runs: list[dict], plain: list[dict]) -> dict:
+    """One table row from the runs of a variant (``plain``: specrl plain's runs)."""
+    if not runs:
+        note = "unsupported: transformers assisted generation is batch 1"
+        return {"mode": mode, "batch": batch, "variant": name, "tok_s": None, "note": note}
+    row = {
+        "mode": mode,
+        "batch": batch,
+        "variant": name,
+        "tok_s": round(statistics.median(r["tokens"] / r["seconds"] for r in runs), 1),
+        "wall_tok_s": round(statistics.median(r["tokens"] / r["wall"] for r in runs), 1),
+        "tokens": round(statistics.mean(r["tokens"] for r in runs)),
+    }
+    if "drafts" in runs[0]:
+        agg = {k: sum(r[k] for r in runs) for k in runs[0] if k not in BASE_KEYS}
+        steps = agg["spec_steps"] + agg["plain_steps"]
+        drafts, draft_tokens = agg["drafts"], agg["draft_tokens"]
+        row["tau"] = round(1 + agg["accepted"] / drafts, 2) if drafts else None
+        row["acceptance"] = round(agg["accepted"] / draft_tokens, 3) if draft_tokens else None
+        row["spec_step_share"] = round(agg["spec_steps"] / steps, 2) if steps else 0.0
+        row["forwards_per_token"] = round(agg["forwards"] / sum(r["tokens"] for r in runs), 3)
+    if mode == "greedy":
+        pairs = list(zip(runs, plain, strict=True))
+        seqs = [a == b for r, p in pairs for a, b in zip(r["out"], p["out"], strict=True)]
+        row["exact"] = all(r["out"] == p["out"] for r, p in pairs)
+        row["agree"] = round(sum(seqs) / len(seqs), 3)
+    return row
+
+
+def run_mode(
+    mode: str, batches: list[int], repeats: int, max_tokens: int, target: Path, draft: Path,
+    lookup: int, clock: Callable[[], float],
+) -> list[dict]:  # fmt: skip
+    model = load_model(target).eval()
+    codec = TextCodec(load_tokenizer(target), model.config.bos_token_id, model.config.eos_token_id)
+    hf = HFRunner(target, codec.eos_id, model.config.pad_token_id or 0)
+    setup = Setup(mode, model, codec, hf, spec_configs(draft), max_tokens, lookup, clock)
+    rows = []
+    for batch in batches:
+        samples = measure_batch(setup, batch, repeats)
+        for name, runs in samples.items():
+            rows.append(summarize(mode, batch, name, runs, samples["specrl plain"]))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets, per mode, from the rows."""
+    tps = {(r["mode"], r["batch"], r["variant"]): r["tok_s"] for r in rows}
+    out = []
+
+    def add(mode: str, name: str, value: float, need: float) -> None:
+        out.append(
+            {
+                "mode": mode,
+                "target": name,
+                "value": round(value, 2),
+                "need": need,
+                "met": value >= need,
+            }
+        )
+
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        batches = sorted({r["batch"] for r in rows if r["mode"] == mode})
+        get = {b: {v: tps[mode, b, v] for v in (*SPECRL, "hf plain")} for b in batches}
+        for b, need in ((1, 2.0), (32, 0.95)):
+            if b in batches:
+                ratio = get[b]["specrl best-of-N"] / get[b]["specrl plain"]
+                add(mode, f"best-of-N / plain at B={b}", ratio, need)
+        for b in batches:
+            single = max(get[b]["specrl ngram"], get[b]["specrl eagle3"])
+            add(
+                mode, f"best-of-N / best single at B={b}", get[b]["specrl best-of-N"] / single, 0.95
+            )
+        for b in batches:
+            add(
+                mode,
+                f"specrl plain / hf plain at B={b}",
+                get[b]["specrl plain"] / get[b]["hf plain"],
+                1.5,
+            )
+    return out
+
+
+def render(rows: list[dict], checks: list[dict], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=200)
+    cols = COLUMNS
+    table = Table(title=title)
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("mode", "variant") else "right")
+    for r in rows:
+        cells = ("-" if r.get(c) is None else str(r[c]) for c in cols)
+        table.add_row(*("unsupported" if c == "tok_s" and r["tok_s"] is None else x
+                        for c, x in zip(cols, cells, strict=True)))  # fmt: skip
+    console.print(table)
+    t = Table(title="issue 6 targets")
+    for c in ("mode", "target", "value", "need", "met"):
+        t.add_column(c)
+    for c in checks:
+        t.add_row(
+            c["mode"],
+            c["target"],
+            str(c["value"]),
+            f"≥ {c['need']}",
+            "[green]met[/]" if c["met"] else "[red]not met[/]",
+        )
+    console.print(t)
+
+
+def add_ratios(rows: list[dict]) -> None:
+    base = {(r["mode"], r["batch"], r["variant"]): r["tok_s"] for r in rows}
+    for r in rows:
+        if r["tok_s"] is None:
+            continue
+        plain = base[r["mode"], r["batch"], "specrl plain"]
+        hf = base[r["mode"], r["batch"], "hf plain"]
+        r["vs_plain"] = round(r["tok_s"] / plain, 2)
+        r["vs_hf"] = round(r["tok_s"] / hf, 2)
+
+
+def markdown(rows: list[dict], checks: list[dict]) -> str:
+    cols = COLUMNS
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append(
+                "unsupported" if c == "tok_s" and v is None else "-" if v is None else str(v)
+            )
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| mode | target | value | need | met |", "| --- | --- | --- | --- | --- |"]
+    for c in checks:
+        lines.append(
+            f"| {c['mode']} | {c['target']} | {c['value']} | ≥ {c['need']} | "
+            f"{'met' if c['met'] else '**not met**'} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", type=Path, default=Path("runs/toy/target"))
+    ap.add_argument("--draft", type=Path, default=Path("runs/toy/draft"))
+    ap.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
+    ap.add_argument("--modes", default="sampled,greedy", help="sampled and/or greedy")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--lookup", type=int, default=MAX_K, help="prompt_lookup_num_tokens")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    ap.add_argument("--quick", action="store_true", help="B = 1, 8; sampled; one repeat")
+    ap.add_argument("--markdown", action="store_true", help="also print a Markdown table")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/rollout.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu measures one thread: use --threads 1 (or --clock wall)")
+    for p, what in ((args.target, "config.json"), (args.draft, "specrl_draft.json")):
+        if not (p / what).is_file():
+            ap.error(f"{p} has no {what}: make the toy pair first (see docs/benchmarks-rollout.md)")
+    batches = [1, 8] if args.quick else [int(b) for b in args.batches.split(",")]
+    modes = ["sampled"] if args.quick else args.modes.split(",")
+    repeats = 1 if args.quick else args.repeats
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    rows = []
+    for mode in modes:
+        rows += run_mode(
+            mode, batches, repeats, args.max_tokens, args.target, args.draft, args.lookup, clock
+        )
+    add_ratios(rows)
+    checks = targets(rows)
+    title = (
+        f"rollout, addition, ≤{args.max_tokens} tokens, max k {MAX_K}, "
+        f"{args.clock} clock, {args.threads} thread, median of {repeats}"
+    )
+    render(rows, checks, title)
+    if args.markdown:
+        print(markdown(rows, checks))
+    import transformers
+
+    meta = {
+        "command": " ".join(["python", *sys.argv]),
+        "target": str(args.target),
+        "draft": str(args.draft),
+        "threads": args.threads,
+        "repeats": repeats,
+        "clock": args.clock,
+        "max_tokens": args.max_tokens,
+        "max_k": MAX_K,
+        "prompt_lookup_num_tokens": args.lookup,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu_count": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".json.tmp")
+    payload = {"meta": meta, "rows": rows, "targets": checks}
+    tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, args.out)
+
+
+if __name__ == "__main__":
+    main()
