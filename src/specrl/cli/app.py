@@ -15,7 +15,7 @@ import typer
 from rich.markup import escape
 
 from specrl import __version__
-from specrl.cli import env, export_draft, init_draft, rollout, train, warmstart
+from specrl.cli import env, export_draft, init_draft, profile, rollout, train, warmstart
 from specrl.cli.ui import STATE, err
 from specrl.errors import SpecrlError
 
@@ -62,6 +62,7 @@ app.command("init-draft")(init_draft.init_draft_command)
 app.command("export-draft")(export_draft.export_draft_command)
 app.add_typer(rollout.app, name="rollout")
 app.command("train")(train.train_command)
+app.command("profile-parallelism")(profile.profile_command)
 
 
 def main() -> None:
