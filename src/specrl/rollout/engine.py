@@ -477,6 +477,10 @@ class RolloutEngine:
         t["slots"] = torch.tensor([s.slot for s in fed], dtype=torch.int64, device=dev)
         t["prefix"] = torch.tensor([s.kv_len for s in fed], dtype=torch.int64, device=dev)
         t["max_kv"] = max(s.kv_len + n for s, n in zip(fed, lens, strict=True))
+        # host flags that spare the attention kernel work: slots 0..B−1 slice the cache instead
+        # of gathering it; one new token each at one common position needs no mask
+        t["slots_are_prefix"] = all(s.slot == i for i, s in enumerate(fed))
+        t["full_rows"] = all(n == 1 for n in lens) and all(s.kv_len == fed[0].kv_len for s in fed)
         # logit rows: the last num_rows rows of each sequence's input (prefill: its leader's)
         logit_rows: list[int] = []
         row_start: list[int] = []
@@ -534,7 +538,14 @@ class RolloutEngine:
     def _run(self, launch: _Launch) -> None:
         """The target forward and on-device verification (no host sync)."""
         t = launch.tensors
-        cache = CacheBatch(self.cache, t["slots"], t["prefix"], t["max_kv"])
+        cache = CacheBatch(
+            self.cache,
+            t["slots"],
+            t["prefix"],
+            t["max_kv"],
+            slots_are_prefix=t["slots_are_prefix"],
+            full_rows=t["full_rows"],
+        )
         out = self.model(
             t["ids"], t["layout"], taps=self.tap_layers, cache=cache, logits_index=t["logits_index"]
         )

@@ -137,21 +137,25 @@ def cached_attention(
     hkv = k.shape[1]
     b, m, kv_len = layout.num_seqs, layout.max_seqlen, cache.max_kv_len
     uniform = t == b * m  # every sequence brings m tokens: packed == padded, no scatter
-    if uniform:
+    if m == 1 and uniform:  # one token each (plain decoding, chain drafting): no index math
+        slot_t, pos_t = cache.slots, cache.prefix_lens
+    elif uniform:
         pos_t = (cache.prefix_lens[:, None] + torch.arange(m, device=q.device)).reshape(-1)
-        slot_t = cache.slots.repeat_interleave(m) if m > 1 else cache.slots
+        slot_t = cache.slots.repeat_interleave(m)
     else:
         seq, off = _pad_index(layout)
         slot_t = cache.slots[seq]
         pos_t = cache.prefix_lens[seq] + off
-    cache.k.index_put_((slot_t, pos_t), k.to(cache.k.dtype))
-    cache.v.index_put_((slot_t, pos_t), v.to(cache.v.dtype))
+    same = cache.k.dtype == k.dtype  # skip no-op casts: each is a dispatch per layer and step
+    cache.k.index_put_((slot_t, pos_t), k if same else k.to(cache.k.dtype))
+    cache.v.index_put_((slot_t, pos_t), v if same else v.to(cache.v.dtype))
     if cache.slots_are_prefix:
         kp, vp = cache.k[:b, :kv_len], cache.v[:b, :kv_len]  # views, no copy
     else:
         kp, vp = cache.k[cache.slots, :kv_len], cache.v[cache.slots, :kv_len]
-    kp = kp.to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-    vp = vp.to(q.dtype).transpose(1, 2)
+    if kp.dtype != q.dtype:
+        kp, vp = kp.to(q.dtype), vp.to(q.dtype)
+    kp, vp = kp.transpose(1, 2), vp.transpose(1, 2)  # [B, Hkv, L, D]
     if uniform:
         qp = q.view(b, m, hq, d)
     else:
