@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,26 +112,119 @@ def test_sigterm_saves_and_exits(first_run):
     assert int(saved.split("-")[1]) == len(_records(run))
 
 
+def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    """``specrl train`` under torchrun with ``nproc`` processes (one thread each)."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(nproc), "-m", "specrl", "train", RECIPE, *args],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"},
+    )
+
+
+def _overrides(*sets: str) -> list[str]:
+    return [arg for s in sets for arg in ("--set", s)]
+
+
 def test_torchrun_dp2(first_run):
     base, sets = first_run
     run = base / "dp2"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "specrl", "train", RECIPE, *sets,
-         "--set", "parallel.dp=2", "--set", f"run.out_dir={run}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )
+    proc = _torchrun(2, *sets, *_overrides("parallel.dp=2", f"run.out_dir={run}"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     recs = _records(run)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     assert all(r["samples_trained"] == 16 for r in recs)  # both ranks' samples counted
 
 
+def _check_layout_run(run: Path, nproc: int) -> None:
+    recs = _records(run)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    for r in recs:
+        assert r["samples_trained"] == 16  # one replica: its samples counted once
+        assert r["draft_loss"] > 0 and r["draft_sim_tau"] >= 1.0
+        assert r["policy_grad_norm"] is not None
+    assert "heldout_accuracy" in recs[3]
+    step_dir = run / "checkpoints" / "step-000004"
+    files = {p.name for p in step_dir.iterdir()}
+    assert {"policy", "draft"} <= files
+    assert {f"rank{r}.safetensors" for r in range(nproc)} <= files
+
+
+@pytest.fixture(scope="module")
+def pp2_run(first_run) -> Path:
+    """`specrl train` at pp = 2 (two stages of one layer, the draft on stage 1)."""
+    base, sets = first_run
+    run = base / "pp2"
+    proc = _torchrun(2, *sets, *_overrides("parallel.pp=2", f"run.out_dir={run}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("nproc", "layout"),
+    [(2, ["parallel.cp=2"]), (4, ["parallel.pp=2", "parallel.cp=2"])],
+    ids=["cp2", "pp2xcp2"],
+)
+def test_torchrun_cp_layouts(first_run, nproc, layout):
+    base, sets = first_run
+    run = base / "-".join(layout)
+    proc = _torchrun(nproc, *sets, *_overrides(*layout, f"run.out_dir={run}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_layout_run(run, nproc)
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_pp2(pp2_run):
+    _check_layout_run(pp2_run, 2)
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_pp2_resume_reproduces_metrics(first_run, pp2_run):
+    """The rollout rank assembles the whole policy and draft for the checkpoint; a run stopped
+    at step 2 and resumed with the same layout reproduces the uninterrupted one."""
+    base, sets = first_run
+    run = base / "pp2-resumed"
+    first = _torchrun(2, *sets, *_overrides("parallel.pp=2", "train.steps=2",
+                                            f"run.out_dir={run}"))  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = _torchrun(2, *sets, "--resume", *_overrides("parallel.pp=2", f"run.out_dir={run}"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _no_timing(_records(run)) == _no_timing(_records(pp2_run))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("layout", "tied", "needle"),
+    [
+        (["parallel.cp=3"], False, "dp × cp × pp = 1 × 3 × 1 = 3 does not match the world size 2"),
+        (["parallel.pp=2", "parallel.virtual_stages=2", "parallel.pp_schedule=interleaved-1f1b"],
+         False, "2 decoder layers cannot fill pp × virtual_stages = 2 × 2 = 4 pipeline stages"),
+        (["parallel.pp=2"], True, "tied input/output embeddings"),
+    ],
+    ids=["cp3-on-2", "stages-over-layers", "tied-pp2"],
+)
+def test_torchrun_bad_layouts(first_run, tmp_path, layout, tied, needle):
+    """Every rank fails with the same one-line error before any rendezvous; torchrun exits 1."""
+    base, sets = first_run
+    if tied:  # the same weights with input and output embedding tied (no draft for this target)
+        target = tmp_path / "tied"
+        shutil.copytree(base / "target", target)
+        config = json.loads((target / "config.json").read_text())
+        (target / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+        sets = _overrides(f"policy.path={target}", "draft.mode=none", "rollout.speculation=null")
+    proc = _torchrun(2, *sets, *_overrides(*layout, f"run.out_dir={tmp_path / 'r'}"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("Error: ")]
+    assert len(errors) == 2 and all(needle in ln for ln in errors), proc.stderr[-3000:]
+    assert not re.search(r'File ".*specrl', proc.stderr)  # no traceback from specrl itself
+
+
 @pytest.mark.parametrize(
     ("sets", "needles"),
     [
         (["--set", "rollout.nn=4"], ["unknown key 'rollout.nn'"]),
-        (["--set", "parallel.dp=3"], ["dp=3 × cp=1 × pp=1 = 3", "1 process"]),
+        (["--set", "parallel.dp=3"], ["dp × cp × pp = 3 × 1 × 1 = 3", "world size 1"]),
         (["--set", "task.name=jsonl", "--set", "task.path=/nonexistent.jsonl"],
          ["does not exist"]),
         (["--set", "policy.warmstart=null", "--set", "policy.path=/nonexistent"],

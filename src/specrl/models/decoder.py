@@ -13,6 +13,11 @@ Forward (``Transformer.forward``) always takes *packed* tokens ``[T]`` with a
 
 Taps (REFERENCE §2): ``taps=[X, …]`` returns the **output of decoder layer X** (0-based; this is
 SpecForge's convention, vLLM's id is X + 1), detached.
+
+Context parallelism is a hook, not a branch: every :class:`Attention` hands its ``cp`` attribute
+(None unless ``specrl.train.parallelize.use_context_parallel`` set a
+:class:`~specrl.core.attention.CPContext`) to :func:`~specrl.core.attention.attention`, which routes
+packed training forwards over the zigzag ring.  The model code is the same either way.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specrl.core.attention import CacheView, PackedLayout, attention
+from specrl.core.attention import CacheView, CPContext, PackedLayout, attention
 from specrl.core.attention.kernels import cache_mask
 from specrl.models.config import ModelConfig
 
@@ -96,6 +101,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # context-parallel ring of packed training forwards (zigzag-local ``layout``); None: local
+        self.cp: CPContext | None = None
 
     def forward(
         self,
@@ -113,7 +120,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attention(q, k, v, layout, cache=cache, backend=backend, window=self.window)
+        o = attention(q, k, v, layout, cache=cache, backend=backend, window=self.window, cp=self.cp)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from specrl.core.attention import CPContext, PackedLayout, attention
+from specrl.core.attention import CPContext, PackedLayout
 from specrl.core.attention.ttt import Mode
 from specrl.core.attention.zigzag import ZigzagPlan, shift_within_sequences
 from specrl.core.parallel import ParallelGroups
@@ -72,9 +72,17 @@ from specrl.core.pipeline import (
 )
 from specrl.core.transport import TapChannel, TapPlan, TapSpec, TapStats
 from specrl.errors import LayoutError
-from specrl.models.decoder import Attention, Transformer, apply_rope
+from specrl.models.decoder import Transformer
 from specrl.models.draft import Eagle3Draft
-from specrl.train.ttt import LossKind, TTTInputs, teacher_from_logits, ttt_inputs, ttt_loss
+from specrl.train.parallelize import all_reduce_grads, use_context_parallel
+from specrl.train.ttt import (
+    GatheredShift,
+    LossKind,
+    TTTInputs,
+    teacher_from_logits,
+    ttt_inputs,
+    ttt_loss,
+)
 
 # logits [T, V] and the microbatch's per-token tensors ([T] each: "labels", "loss_mask" and the
 # microbatch's extra fields) → Σ of the per-token losses over this rank's rows (scalar)
@@ -111,6 +119,8 @@ class CotrainConfig:
     """draft loss: soft cross-entropy (ce) or total variation (tv)"""
     ttt_decay: float = 0.8
     """weight of TTT step k is decay**k"""
+    draft_loss_weight: float = 1.0
+    """multiplier of the draft's loss (and so of its gradients)"""
     ttt_mode: Mode = "ring"
     """how the draft's main K/V travel under CP: ring, ring_once or gather"""
     tap_timeout: float = 300.0
@@ -147,36 +157,6 @@ class CotrainStats:
         return tau
 
 
-class _RingAttention(Attention):
-    """The decoder's attention with its packed attention over the CP ring.
-
-    :func:`use_context_parallel` swaps this class into existing modules (parameters, names and
-    the math before and after the attention call are the decoder's)."""
-
-    cp: CPContext
-
-    def forward(self, x, cos, sin, layout, cache=None, backend="sdpa"):
-        if cache is not None:
-            raise ValueError("a context-parallel model trains only; it has no KV cache")
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attention(q, k, v, layout, backend=backend, window=self.window, cp=self.cp)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
-
-
-def use_context_parallel(model: Transformer, cp: CPContext) -> None:
-    """Route every attention layer of ``model`` (or chunk) over the ring of ``cp`` (in place)."""
-    for i in model.layer_ids:
-        attn = model.layer(i).self_attn
-        attn.__class__ = _RingAttention
-        attn.cp = cp
-
-
 @dataclass
 class _Row:
     """This rank's view of one microbatch: the side-table entry keyed by its index."""
@@ -191,43 +171,12 @@ class _Row:
     real_layout: PackedLayout  # global layout of the real tokens
 
 
-class _GatheredShift:
-    """``shift(x, n)`` for :func:`ttt_loss` under CP: the teacher rows are gathered over the cp
-    group once per tensor, shifted within their global sequences, and sharded back."""
-
-    def __init__(self, plan: ZigzagPlan, layout: PackedLayout, cp: CPContext) -> None:
-        self.plan, self.layout, self.cp = plan, layout, cp
-        self._full: list[tuple[torch.Tensor, torch.Tensor]] = []  # (local, global) pairs
-
-    def __call__(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        full = next((g for local, g in self._full if local is x), None)
-        if full is None:
-            gathered = x.new_empty((self.cp.size * x.shape[0], *x.shape[1:]))
-            dist.all_gather_into_tensor(gathered, x.contiguous(), group=self.cp.group)
-            full = self.plan.unshard(gathered)  # [T_real, ...] in global order
-            self._full.append((x, full))
-        return self.plan.shard(shift_within_sequences(full, self.layout, n, 0))
-
-
 def _sum_over(group: dist.ProcessGroup) -> Callable[[torch.Tensor], torch.Tensor]:
     def reduce(t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t, group=group)
         return t
 
     return reduce
-
-
-def _all_reduce_grads(params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Sum the gradients of ``params`` over ``group`` in one flat collective."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 class PipelineCotrainer:
@@ -252,7 +201,8 @@ class PipelineCotrainer:
         self.n_microbatches = num_microbatches
         if draft is not None and not tap_layers:
             tap_layers = draft.config.tap_layers
-        self.tap_layers = tuple(tap_layers)
+        self.tap_layers = tuple(tap_layers)  # the draft's order, repeats allowed (small targets)
+        distinct = tuple(sorted(set(self.tap_layers)))  # what the stages send, once each
         budget, cp = config.microbatch_tokens, dims.cp
         if budget < 1 or (cp > 1 and budget % (2 * cp)):
             raise LayoutError(
@@ -271,7 +221,7 @@ class PipelineCotrainer:
         ):
             if cp > 1:
                 use_context_parallel(chunk, self.cp)
-            self.modules.append(StageModule(chunk, s, self.layout.num_stages, self.tap_layers))
+            self.modules.append(StageModule(chunk, s, self.layout.num_stages, distinct))
         self.device = model.device
         self.stages = [
             make_stage(m, self.local_tokens, groups["pp"], self.device) for m in self.modules
@@ -290,7 +240,7 @@ class PipelineCotrainer:
             )
         self.channel: TapChannel | None = None
         if self.tap_layers:
-            plan = TapPlan.build(self.tap_layers, self.layout.stage_layers, self.layout.stage_ranks)
+            plan = TapPlan.build(distinct, self.layout.stage_layers, self.layout.stage_ranks)
             order = self.schedule.pipeline_order
             depth = {
                 s: tap_slot_depth(order, s, plan.stage_ranks[s], num_microbatches)
@@ -367,9 +317,9 @@ class PipelineCotrainer:
 
         same_params = self.groups["dp_cp"]
         if self.dims.dp * self.dims.cp > 1:
-            _all_reduce_grads(params, same_params)
+            all_reduce_grads(params, same_params)
             if self.draft is not None:
-                _all_reduce_grads(list(self.draft.parameters()), same_params)
+                all_reduce_grads(list(self.draft.parameters()), same_params)
         policy_norm = draft_norm = None
         if policy_optimizer is not None:
             policy_norm = self._clip_policy(params)
@@ -416,7 +366,7 @@ class PipelineCotrainer:
         teacher = teacher_from_logits(logits[: row.rows], draft)  # detached [rows, V_draft]
         shift = reduce = None
         if cp is not None:
-            shift = _GatheredShift(row.real_plan, row.real_layout, cp)
+            shift = GatheredShift(row.real_plan, row.real_layout, cp)
             reduce = _sum_over(cp.group)
         loss = ttt_loss(
             out,
@@ -429,7 +379,7 @@ class PipelineCotrainer:
             reduce=reduce,
         )
         scale = 1.0 / (self.n_microbatches * self.dims.dp)
-        (loss.loss * scale).backward()
+        (loss.loss * (scale * cfg.draft_loss_weight)).backward()
         counts = torch.tensor(loss.count, dtype=torch.float64)
         hits = torch.tensor(loss.acc, dtype=torch.float64) * counts.clamp(min=1.0)
         scaled = loss.loss.detach().to(torch.float64).reshape(1) * scale

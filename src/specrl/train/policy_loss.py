@@ -27,6 +27,13 @@ class PolicyLoss:
     kl: float  # mean k3 KL to the reference (0 when off)
     ratio_mean: float
     entropy_proxy: float  # mean −ℓ over response tokens (sampled-token NLL)
+    tokens: float  # response tokens of this call (the count behind the means)
+
+    def sums(self) -> list[float]:
+        """[clipped, kl, ratio, nll, tokens] summed over the tokens: add these across ranks or
+        microbatches and divide by the summed tokens for the global means."""
+        n = self.tokens
+        return [self.clip_frac * n, self.kl * n, self.ratio_mean * n, self.entropy_proxy * n, n]
 
 
 def token_logprobs(
@@ -64,8 +71,9 @@ def clipped_policy_loss(
         kl_val = float((kl.detach() * m).sum() / m.sum().clamp(min=1))
     loss = (per_token * m).sum() / max(normalizer, 1.0)
     with torch.no_grad():
+        tokens = float(m.sum())
         n = m.sum().clamp(min=1)
         clip_frac = float(((clipped != unclipped).to(m.dtype) * m).sum() / n)
         ratio_mean = float((ratio * m).sum() / n)
         ent = float((-logp.detach() * m).sum() / n)
-    return PolicyLoss(loss, clip_frac, kl_val, ratio_mean, ent)
+    return PolicyLoss(loss, clip_frac, kl_val, ratio_mean, ent, tokens)

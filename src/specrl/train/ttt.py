@@ -13,7 +13,8 @@ Steps are weighted ``decay**k``.  Metrics: top-1 agreement acc_k and simulated
 τ = 1 + Σ_k Π_{j≤k} acc_j (comparable to the serving τ = 1 + accepted/drafts).
 
 Sums and counts are kept apart so data/context-parallel ranks can all-reduce them and reproduce
-the single-process loss exactly (``reduce`` hook).
+the single-process loss exactly (``reduce`` hook).  Under context parallelism the teacher shift
+crosses zigzag shards: :class:`GatheredShift` is the ``shift`` hook for that case.
 """
 
 from __future__ import annotations
@@ -23,14 +24,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from specrl.core.attention import PackedLayout
-from specrl.core.attention.zigzag import shift_within_sequences
+from specrl.core.attention import CPContext, PackedLayout
+from specrl.core.attention.zigzag import ZigzagPlan, shift_within_sequences
 from specrl.models.draft import Eagle3Draft, TTTOutput
 
 LossKind = Literal["ce", "tv"]
 Shift = Callable[[torch.Tensor, int], torch.Tensor]
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -50,6 +53,26 @@ def ttt_inputs(
     m = loss_mask.to(torch.float32)
     step_mask = torch.stack([shift_within_sequences(m, layout, k + 1, 0.0) for k in range(steps)])
     return TTTInputs(step_ids, step_mask)
+
+
+class GatheredShift:
+    """``shift(x, n)`` for :func:`ttt_loss` under context parallelism: each teacher tensor (a
+    rank's zigzag shard) is gathered over the cp group once, shifted within its global sequences
+    and sharded back.  O(T·V_draft) per rank; a k-row halo exchange would move less."""
+
+    def __init__(self, plan: ZigzagPlan, layout: PackedLayout, cp: CPContext) -> None:
+        """``plan``: this rank's zigzag plan of the global ``layout`` over the ring ``cp``."""
+        self.plan, self.layout, self.cp = plan, layout, cp
+        self._full: list[tuple[torch.Tensor, torch.Tensor]] = []  # (shard, global) pairs
+
+    def __call__(self, x: torch.Tensor, n: int) -> torch.Tensor:  # x: [T_local, ...]
+        full = next((g for local, g in self._full if local is x), None)
+        if full is None:
+            gathered = x.new_empty((self.cp.size * x.shape[0], *x.shape[1:]))
+            _all_gather(gathered, x.contiguous(), group=self.cp.group)
+            full = self.plan.unshard(gathered)  # [T, ...] in global order
+            self._full.append((x, full))
+        return self.plan.shard(shift_within_sequences(full, self.layout, n, 0))
 
 
 @dataclass
