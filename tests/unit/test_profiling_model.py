@@ -170,6 +170,7 @@ def test_activations_scale_linearly_in_tokens_and_inversely_in_cp():
     assert acts(1024, 2) == acts(1024, 1) / 2
     assert acts(1024, 4) == acts(1024, 1) / 4
     assert tokens_per_rank(1000, 2, 8) == 2 * 2 * 63  # each sequence padded to 1008 = 16·63
+    assert tokens_per_rank(1001, 2, 1) == 2002  # no CP: no padding
 
 
 def test_draft_teacher_gather_does_not_shrink_with_cp():

@@ -62,11 +62,16 @@ class TeacherShift(str, Enum):
 
 
 def _gib(x: float) -> str:
-    return f"{x / 1024**3:.1f}"
+    gib = x / 1024**3
+    return f"{gib:.1f}" if gib >= 10 else f"{gib:.3g}"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.3g} B" if n >= 1e9 else f"{n / 1e6:.3g} M"
 
 
 def _seconds(x: float) -> str:
-    return f"{x:.3g}"
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
 
 
 def _table(title: str, estimates, caption: str):
@@ -235,7 +240,7 @@ def profile_command(
         )
     else:
         title = (
-            f"profile-parallelism: {model} ({cfg.num_params / 1e9:.3g} B params), "
+            f"profile-parallelism: {model} ({_params(cfg.num_params)} params), "
             f"{seq_len} tokens × {global_batch} sequences/step, {gpus} × {hw.name}"
         )
         caption = (

@@ -18,8 +18,9 @@ The ``cpu`` preset is measured once per process (:func:`measure_cpu`): a one-thr
 matmul's rate (``peak_flops``; local ranks run one thread each), a large tensor copy's bandwidth
 (``hbm_bandwidth``), and a TCP stream over 127.0.0.1 — gloo's transport between local ranks — for
 both link bandwidths.  All local ranks share the host's RAM, so a layout's budget per rank is
-RAM / ranks (``shared_memory``).  Its time predictions are reported beside measured steps but
-never asserted (the machine is shared).
+RAM / ranks (``shared_memory``), and ranks beyond the cores share them (``cores``).  Its time
+predictions count FLOPs only — a small model's CPU step is mostly per-op overhead and gloo
+latency — and are reported beside measured steps, never asserted.
 
 Custom hardware: ``NAME:key=value,...`` overrides fields of a preset, and ``custom:...`` must give
 all of ``peak_tflops, hbm_gib, hbm_tbps, nvlink_gbps, ib_gbps`` (optional: ``gpus_per_node,
@@ -66,11 +67,18 @@ class Hardware:
     """training precision implied: bf16 (mixed) or fp32"""
     shared_memory: bool = False
     """all ranks share hbm_bytes (one host's RAM)"""
+    cores: int = 0
+    """cores all ranks share, one thread each (0: every rank has its own device)"""
 
     def usable_bytes(self, ranks: int) -> float:
         """Memory one of ``ranks`` ranks may use."""
         total = self.hbm_bytes / ranks if self.shared_memory else self.hbm_bytes
         return total - self.reserve
+
+    def flops_per_rank(self, ranks: int) -> float:
+        """Sustained FLOP/s of one of ``ranks`` ranks (ranks beyond the cores share them)."""
+        share = min(1.0, self.cores / ranks) if self.cores else 1.0
+        return self.peak_flops * self.efficiency * share
 
     def describe(self) -> str:
         placement = (
@@ -181,6 +189,7 @@ def measure_cpu() -> Hardware:
         reserve=0.0,
         precision="fp32",
         shared_memory=True,
+        cores=os.cpu_count() or 1,
     )
 
 

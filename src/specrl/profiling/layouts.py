@@ -12,8 +12,8 @@ implementation enforces (:mod:`specrl.core.parallel`, :mod:`specrl.core.pipeline
 - data: the global batch (sequences per optimizer step) splits into ``n = G / (dp · mb)`` whole
   microbatches per replica, ``n ≥ 1``;
 - context: zigzag sharding pads every sequence to a multiple of ``2 · cp`` (the cost of the pad is
-  modelled, not rejected) and needs ``seq_len ≥ 2 · cp``.  Attention heads impose nothing: the
-  ring splits the sequence, not the heads, and there is no tensor parallelism;
+  modelled, not rejected) and needs ``seq_len ≥ 2 · cp`` when cp > 1.  Attention heads impose
+  nothing: the ring splits the sequence, not the heads, and there is no tensor parallelism;
 - nodes: more devices than one node holds must be whole nodes (``N mod gpus_per_node = 0``).
 
 Placement follows the rank order of :class:`~specrl.core.parallel.ParallelDims`
@@ -144,7 +144,7 @@ def check_layout(
         return "the interleaved schedule needs virtual ≥ 2"
     if tied_embeddings and pp > 1:
         return "tied input/output embeddings need pp = 1"
-    if seq_len < 2 * cp:
+    if cp > 1 and seq_len < 2 * cp:
         return f"seq_len {seq_len} < 2·cp = {2 * cp} (zigzag needs two chunks per rank)"
     n = microbatches(global_batch, micro_batch, dp)
     if n is None:
@@ -178,7 +178,7 @@ def enumerate_layouts(
     if gpus > gpus_per_node and gpus % gpus_per_node:
         raise LayoutError(
             f"{gpus} devices are not whole nodes of {gpus_per_node}",
-            hint=f"use a multiple of {gpus_per_node} devices, or set gpus_per_node",
+            hint=f"use a multiple of {gpus_per_node} devices, or --hardware NAME:gpus_per_node=N",
         )
     ok: list[Layout] = []
     rejected: list[Rejected] = []

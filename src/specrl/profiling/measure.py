@@ -28,6 +28,7 @@ The standard check (cp ∈ {1, 2, 4} × pp ∈ {1, 2} on :data:`SMALL_MODEL`; te
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -158,6 +159,7 @@ def _run_layout(config: ModelConfig, layout: Layout, w: Workload, timed: int) ->
     if cuda:
         torch.cuda.set_device(device)
     else:
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no start/stop lines from every rank
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         prof.start()
 

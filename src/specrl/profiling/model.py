@@ -13,8 +13,8 @@ D head dim, Q = Hq·D, Kv = Hkv·D.  S sequence length, mb sequences per microba
 per optimizer step, n = G / (dp·mb) microbatches per replica, K TTT steps.  b bytes per
 activation/weight element (2 for bf16, 4 for fp32).  Per rank and microbatch the zigzag shard
 holds T = mb · ⌈S / 2cp⌉ · 2 tokens (each sequence padded to a multiple of 2·cp, then split
-over cp ranks).  L_r layers on pipeline rank r (balanced contiguous stages, earlier stages take
-the extra layer).
+over cp ranks; T = mb · S without CP).  L_r layers on pipeline rank r (balanced contiguous
+stages, earlier stages take the extra layer).
 
 Parameters (equal to ``ModelConfig.num_params``): per layer
 P_layer = H·Q + 2·H·Kv + Q·H (+ Q + 2·Kv biases) (+ 2·D q/k norms) + 3·H·I + 2·H; embedding V·H on
@@ -51,8 +51,9 @@ Microbatches in flight on pipeline rank r (chunks of L_r/v layers): GPipe n; 1F1
 interleaved min(n·v, w_r + 1) chunks with torch's warm-up w_r = (v − 1)·⌊n / max(1, ⌊n/pp⌋)⌋ +
 2·(pp − 1 − r).  ``torch.distributed.pipelining`` also preallocates one receive buffer per
 microbatch and stage: n·T·H·b for activations (all stages but the first) and as much for
-gradients (all but the last).  A backward working set of one layer (T·a_layer) is added on every
-stage; with recompute it is the layer being rebuilt.
+gradients (all but the last).  Every stage adds a backward working set: one layer's gradients in
+flight, T·b·(2H + 3I) (the [T, H] gradients in and out, three [T, I] inside SwiGLU's backward),
+plus with recompute the layer being rebuilt (T·a_layer without recompute).
 
 The last stage's two peaks (the larger counts):
 - draft phase (inside the loss function, after the microbatch's policy forward): the draft's TTT
@@ -78,13 +79,14 @@ backward recomputes the scores; full recompute adds one forward):
   it: each ring step is a 2c²-pair block per sequence (c = S_p / 2cp), the same on every rank.
 - draft (last stage): fc 2·T·3H·H once; per TTT step the layer's matmuls, lm_head 2·T·H·V_d and
   the causal main attention (the branch is O(K) per token).
-Time = FLOPs / (peak · efficiency).
+Time = FLOPs / (peak · efficiency) (ranks sharing a CPU host's cores get their share).
 
 Communication (exposed time; bandwidth intra- or inter-node by placement,
 :func:`specrl.profiling.layouts.links`):
 - ring (per layer): forward cp − 1 steps, each moving the K/V block (2·T·Kv·b) while computing a
   1/cp share of the layer's attention: exposed max(0, comm − compute) per step; backward the same
-  with the fp32 dK/dV accumulator (2·T·Kv·4) riding along, plus its last hop home.
+  with the fp32 dK/dV accumulator (2·T·Kv·4) riding along, plus its last hop home; full
+  recompute rings the forward again (×1.5).
 - TTT: ``ring`` runs the ring K times; ``ring_once`` moves the K/V once forward and the
   accumulator once backward, ``gather`` all-gathers once and reduce-scatters once: both exposed
   (no compute runs under them).  The teacher shift all-gathers 4·V_d·T per microbatch (cp > 1).
@@ -93,7 +95,7 @@ Communication (exposed time; bandwidth intra- or inter-node by placement,
   2(d − 1)/d · 4·P (none), reduce-scatter + bf16 all-gather (d − 1)/d · (4 + b)·P (zero1), per
   microbatch all-gathers in forward and backward + reduce-scatter, overlapped with compute
   (fsdp).  Not overlapped with backward otherwise (conservative).
-- optimizer: memory-bound, ≈ (weights + 2·state bytes) read and written per local parameter.
+- optimizer: memory-bound, every local byte of weights, gradients and states read and written.
 
 Step time = (n + (pp − 1)/v) · t_stage + dp comm + optimizer, t_stage the slowest pipeline rank's
 time per microbatch (compute + exposed ring + p2p; the last rank adds the draft); bubble fraction
@@ -101,13 +103,16 @@ time per microbatch (compute + exposed ring + p2p; the last rank adds the draft)
 
 Simplifications: no tensor or expert parallelism; activations of bf16 runs counted at 2 B
 (fp32 where the code keeps fp32); kernel efficiency is one number; the data-parallel gradient
-reduction is not overlapped; allocator fragmentation lives in the hardware ``reserve``.
+reduction is not overlapped, and the flat gradient copy specrl's all-reduce makes after the
+schedule (activations freed by then) is not a modelled peak; allocator fragmentation lives in
+the hardware ``reserve``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from itertools import combinations
 from typing import Literal
 
 from specrl.errors import ConfigError
@@ -133,6 +138,7 @@ RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
 SHARDINGS: tuple[str, ...] = ("none", "zero1", "fsdp")
 TTT_MODES: tuple[str, ...] = ("ring", "ring_once", "gather")
 TEACHER_SHIFTS: tuple[str, ...] = ("gather", "halo")
+MAX_CP = 1024  # the largest ring the "what cp would fit" search considers
 
 # bytes per parameter: (weights, grads, optimizer states)
 _STATE_BYTES = {"bf16": (2, 4, 12), "fp32": (4, 4, 8)}
@@ -344,7 +350,10 @@ class Estimate:
 
 # ----------------------------------------------------------------------------- pieces
 def tokens_per_rank(seq_len: int, micro_batch: int, cp: int) -> int:
-    """T: one rank's zigzag shard of a microbatch (each sequence padded to a multiple of 2·cp)."""
+    """T: one rank's zigzag shard of a microbatch (each sequence padded to a multiple of 2·cp;
+    no padding without CP)."""
+    if cp == 1:
+        return micro_batch * seq_len
     return micro_batch * 2 * math.ceil(seq_len / (2 * cp))
 
 
@@ -560,7 +569,7 @@ def _rank_time(j: _Job, r: int, layers: int) -> dict[str, float]:
     s, w, t, b, cp = j.s, j.w, j.t, j.b, j.layout.cp
     pp, v = j.layout.pp, j.layout.virtual
     last = r == pp - 1
-    rate = j.hw.peak_flops * j.hw.efficiency
+    rate = j.hw.flops_per_rank(j.layout.world)
     again = 1 if w.recompute == "full" else 0  # full recompute reruns every forward
     mm = 2 * t * s.matmul_params() * layers + (2 * t * s.H * s.V if last else 0)
     attn = j.attn_fwd * layers
@@ -713,8 +722,10 @@ def plan(
     hw: Hardware,
     *,
     virtual_options: tuple[int, ...] = VIRTUAL_OPTIONS,
+    explain: bool = True,
 ) -> Plan:
-    """Estimate every layout of ``gpus`` devices; infeasible ones learn what cp would fit."""
+    """Estimate every layout of ``gpus`` devices; with ``explain`` the infeasible ones also say
+    what cp would fit."""
     ok, rejected = enumerate_layouts(
         gpus,
         num_layers=cfg.num_hidden_layers,
@@ -727,48 +738,62 @@ def plan(
         virtual_options=virtual_options,
     )
     estimates = [estimate(cfg, layout, w, hw) for layout in ok]
-    feasible = sorted((e for e in estimates if e.feasible), key=lambda e: e.step_seconds)
+    # fastest first; equal times (to 4 digits) prefer the smaller memory footprint
+    feasible = sorted(
+        (e for e in estimates if e.feasible),
+        key=lambda e: (float(f"{e.step_seconds:.4g}"), e.peak_bytes),
+    )
     infeasible = sorted(
         (e for e in estimates if not e.feasible), key=lambda e: e.peak_bytes / e.usable_bytes
     )
-    infeasible = [
-        replace(e, binding=f"{e.binding}; {_cp_needed(cfg, e, w, hw)}") for e in infeasible
-    ]
+    if explain:
+        infeasible = [
+            replace(e, binding=f"{e.binding}; {_cp_needed(cfg, e, w, hw)}") for e in infeasible
+        ]
     return Plan(gpus, feasible, infeasible, rejected)
 
 
 def _cp_needed(cfg: ModelConfig, e: Estimate, w: Workload, hw: Hardware) -> str:
-    """The smallest larger cp (same dp, pp, virtual) that fits, as a phrase."""
-    layout = e.layout
-    cp = layout.cp * 2
-    while 2 * cp <= w.seq_len:
+    """The smallest larger cp (same dp, pp, virtual; up to 1024) that fits, as a phrase — or the
+    term that stays too large however long the ring."""
+    layout, cp, last = e.layout, e.layout.cp * 2, None
+    while 2 * cp <= w.seq_len and cp <= MAX_CP:
         bigger = replace(layout, cp=cp)
-        if estimate(cfg, bigger, w, hw).feasible:
+        last = estimate(cfg, bigger, w, hw)
+        if last.feasible:
             return f"cp ≥ {cp} would fit ({bigger.world} devices)"
         cp *= 2
-    return "no cp fits with this dp × pp"
+    if last is None:
+        return "no larger cp possible"
+    term, size = max(last.peak.memory.items(), key=lambda kv: kv[1])
+    return f"no cp fits with this dp × pp (at cp {last.layout.cp}: {term} {size / GiB:.0f} GiB)"
 
 
 def suggestion(cfg: ModelConfig, gpus: int, w: Workload, hw: Hardware) -> str | None:
-    """A change that makes the job fit when nothing of ``gpus`` devices does: full recompute,
-    the halo teacher shift, FSDP, then more devices (up to 16×)."""
-    tries: list[tuple[str, Workload]] = []
-    if w.recompute != "full":
-        tries.append(("--recompute full", replace(w, recompute="full")))
-    if w.sharding != "fsdp":
-        tries.append(("--sharding fsdp", replace(w, sharding="fsdp")))
-    if w.teacher_shift != "halo":
-        tries.append(("--teacher-shift halo", replace(w, teacher_shift="halo")))
-    everything = replace(w, recompute="full", sharding="fsdp", teacher_shift="halo")
-    if everything != w:
-        flags = " ".join(f for f, _ in tries)
-        tries.append((flags, everything))
-    for flags, alt in tries:
-        best = plan(cfg, gpus, alt, hw)
-        if best.fits:
-            return f"{flags} fits: {best.feasible[0].layout}"
+    """A change that makes the job fit when nothing of ``gpus`` devices does: the fewest of full
+    recompute, FSDP and the halo teacher shift, else 2–16× the devices (alone, then with all
+    three)."""
+    changes = [
+        (flag, name, value)
+        for flag, name, value in (
+            ("--recompute full", "recompute", "full"),
+            ("--sharding fsdp", "sharding", "fsdp"),
+            ("--teacher-shift halo", "teacher_shift", "halo"),
+        )
+        if getattr(w, name) != value
+    ]
+    for size in range(1, len(changes) + 1):
+        for combo in combinations(changes, size):
+            alt = replace(w, **{name: value for _, name, value in combo})
+            best = plan(cfg, gpus, alt, hw, explain=False)
+            if best.fits:
+                return f"{' '.join(flag for flag, _, _ in combo)} fits: {best.feasible[0].layout}"
+    everything = replace(w, **{name: value for _, name, value in changes})
     for factor in (2, 4, 8, 16):
-        best = plan(cfg, gpus * factor, w, hw)
-        if best.fits:
-            return f"--gpus {gpus * factor} fits: {best.feasible[0].layout}"
+        for flags, alt in (("", w), (" ".join(f for f, _, _ in changes), everything)):
+            best = plan(cfg, gpus * factor, alt, hw, explain=False)
+            if best.fits:
+                return f"--gpus {gpus * factor} {flags}".rstrip() + (
+                    f" fits: {best.feasible[0].layout}"
+                )
     return None
