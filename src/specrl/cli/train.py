@@ -27,7 +27,6 @@ def train_command(
     from specrl.train.loop import RLTrainer, summarize
 
     rec = load(recipe, overrides)
-    rank0 = True
     with progress_bar("prepare", 1) as update:
 
         def prep(phase: str, done: int, total: int, info: str) -> None:

@@ -175,7 +175,6 @@ def load_model(
     )
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary = type(model.rotary)(config)
     return model.to(dt)
 
 
