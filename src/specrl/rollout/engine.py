@@ -462,25 +462,19 @@ class RolloutEngine:
         return Draft(tokens, probs)
 
     def _prepare(self, launch: _Launch) -> None:
-        """Host lists → device tensors for the forward and the verifier."""
-        dev = self.device
-        lens = [len(x) for x in launch.inputs]
-        starts, pos = [], 0
-        for n in lens:
-            starts.append(pos)
-            pos += n
-        launch.input_starts = starts
-        t = launch.tensors
+        """Host lists → device tensors for the forward and the verifier.
+
+        Every int64 input (token ids, the packed layout, slots, prefix lengths, logit rows, the
+        verifier's tables) goes into one host list and crosses with one ``torch.tensor``; the
+        entries are views of it (at small batch a step's host cost is mostly per-call overhead).
+        """
         fed = launch.fed
-        t["ids"] = torch.tensor([x for seq in launch.inputs for x in seq], device=dev)
-        t["layout"] = PackedLayout.from_lengths(lens, device=dev)
-        t["slots"] = torch.tensor([s.slot for s in fed], dtype=torch.int64, device=dev)
-        t["prefix"] = torch.tensor([s.kv_len for s in fed], dtype=torch.int64, device=dev)
-        t["max_kv"] = max(s.kv_len + n for s, n in zip(fed, lens, strict=True))
-        # host flags that spare the attention kernel work: slots 0..B−1 slice the cache instead
-        # of gathering it; one new token each at one common position needs no mask
-        t["slots_are_prefix"] = all(s.slot == i for i, s in enumerate(fed))
-        t["full_rows"] = all(n == 1 for n in lens) and all(s.kv_len == fed[0].kv_len for s in fed)
+        lens = [len(x) for x in launch.inputs]
+        starts, cu = [], [0]
+        for n in lens:
+            starts.append(cu[-1])
+            cu.append(cu[-1] + n)
+        launch.input_starts = starts
         # logit rows: the last num_rows rows of each sequence's input (prefill: its leader's)
         logit_rows: list[int] = []
         row_start: list[int] = []
@@ -489,24 +483,41 @@ class RolloutEngine:
             row_start.append(len(logit_rows))
             end = starts[f] + lens[f]
             logit_rows += range(end - n, end)
-        k1 = max(launch.num_rows)
-        launch.k1 = k1
-        t["logits_index"] = torch.tensor(logit_rows, dtype=torch.int64, device=dev)
-        t["row_index"] = torch.tensor(
-            [
-                [r + min(j, n - 1) for j in range(k1)]
+        k1 = launch.k1 = max(launch.num_rows)
+        parts: dict[str, list[int]] = {
+            "ids": [x for seq in launch.inputs for x in seq],
+            "cu_seqlens": cu,
+            "position_ids": [j for n in lens for j in range(n)],
+            "seq_ids": [i for i, n in enumerate(lens) for _ in range(n)],
+            "slots": [s.slot for s in fed],
+            "prefix": [s.kv_len for s in fed],
+            "row_index": [  # [B, K+1]: row of (sequence b, position j), clamped to its last
+                r + min(j, n - 1)
                 for r, n in zip(row_start, launch.num_rows, strict=True)
+                for j in range(k1)
             ],
-            dtype=torch.int64,
-            device=dev,
+            "num_drafts": [n - 1 for n in launch.num_rows],
+            "draft_tokens": [x for d in launch.drafts for x in (*d.tokens, 0)],
+        }
+        # decode steps verify every fed row, in order: logits of all rows, no index
+        if logit_rows != list(range(cu[-1])):
+            parts["logits_index"] = logit_rows
+        flat = torch.tensor(
+            [x for v in parts.values() for x in v], dtype=torch.int64, device=self.device
         )
-        t["num_drafts"] = torch.tensor(
-            [n - 1 for n in launch.num_rows], dtype=torch.int64, device=dev
+        t = launch.tensors
+        t.update(zip(parts, flat.split([len(v) for v in parts.values()]), strict=True))
+        t.setdefault("logits_index", None)
+        t["row_index"] = t["row_index"].view(len(launch.seqs), k1)
+        t["layout"] = PackedLayout(
+            t.pop("cu_seqlens"), t.pop("position_ids"), max(lens), t.pop("seq_ids")
         )
-        t["draft_tokens"] = torch.tensor(
-            [x for d in launch.drafts for x in (*d.tokens, 0)], dtype=torch.int64, device=dev
-        )
-        t["params"] = RowParams.build([s.params for s in launch.seqs], launch.num_rows, dev)
+        t["max_kv"] = max(s.kv_len + n for s, n in zip(fed, lens, strict=True))
+        # host flags that spare the attention kernel work: slots 0..B−1 slice the cache instead
+        # of gathering it; one new token each at one common position needs no mask
+        t["slots_are_prefix"] = all(s.slot == i for i, s in enumerate(fed))
+        t["full_rows"] = all(n == 1 for n in lens) and all(s.kv_len == fed[0].kv_len for s in fed)
+        t["params"] = RowParams.build([s.params for s in launch.seqs], launch.num_rows, self.device)
         t["uniforms"] = self._uniforms(launch)
         if any(d.probs is not None for d in launch.drafts):
             t["draft_probs"] = torch.cat([self._q_rows(d) for d in launch.drafts], dim=0)  # [R, V]

@@ -49,6 +49,10 @@ def verify(
     ``draft_tokens`` and ``draft_probs`` are ignored on each sequence's last row (k_b).
     """
     k1 = row_index.shape[1]
+    if k1 == 1:  # nobody drafted (plain step): each sequence emits a bonus token from p
+        rows = row_index[:, 0]
+        final = sample_categorical(probs[rows], uniforms[rows, 1])  # [B], as the general path
+        return VerifyOutput(tokens=final[:, None], num_accepted=torch.zeros_like(num_drafts))
     p_draft = probs.gather(1, draft_tokens[:, None])[:, 0]  # [R] p_i(d_i)
     if draft_probs is None:
         accept_row = uniforms[:, 0] < p_draft  # q_i(d_i) = 1
