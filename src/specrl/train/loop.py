@@ -162,7 +162,8 @@ class RLTrainer:
         # the policy's shape is checked against the layout before the process group starts when
         # its checkpoint exists, else once the warm-start has made it
         known = load_config(recipe.policy.path) if policy_ready(recipe) else None
-        self.layout = setup_distributed(par, recipe.run.device, known)
+        self.device = pick_device(recipe.run.device)
+        self.layout = setup_distributed(par, self.device, known)
         if recipe.rollout.prompts_per_step % par.dp:
             raise LayoutError(
                 f"rollout.prompts_per_step={recipe.rollout.prompts_per_step} is not divisible by "
@@ -177,7 +178,6 @@ class RLTrainer:
         self.rank, self.world = self.layout.rank, self.layout.world
         self.run_dir = Path(recipe.run.directory)
         set_determinism(recipe.run.deterministic, recipe.run.threads)
-        self.device = pick_device(recipe.run.device)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_recipe(recipe, self.run_dir / "recipe.resolved.yaml")
@@ -828,9 +828,7 @@ class RLTrainer:
 
     def _stop_flag(self) -> int:
         flag = torch.tensor([float(self._stop_signal or 0)])
-        if self.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        return int(self.layout.sum_(flag, op=dist.ReduceOp.MAX).item())
 
 
 def summarize(run_dir: str | Path) -> dict[str, Any]:

@@ -56,6 +56,7 @@ from specrl.errors import LayoutError
 from specrl.models.config import ModelConfig
 from specrl.models.decoder import Transformer
 
+_CPU = torch.device("cpu")
 # recipe spelling → core.pipeline schedule kind
 SCHEDULE_KINDS: dict[str, ScheduleKind] = {
     "gpipe": "gpipe",
@@ -71,6 +72,7 @@ class TrainLayout:
     dims: ParallelDims
     groups: ParallelGroups | None
     rank: int = 0
+    device: torch.device = _CPU  # where collectives run (NCCL: this rank's GPU)
 
     @property
     def world(self) -> int:
@@ -105,10 +107,20 @@ class TrainLayout:
         """The context-parallel ring of this rank (None without CP)."""
         return CPContext.from_group(self.group("cp")) if self.dims.cp > 1 else None
 
-    def sum_(self, t: torch.Tensor, name: GroupName | None = None) -> torch.Tensor:
-        """In-place all-reduce (sum) over group ``name``, or over every rank (None)."""
+    def sum_(
+        self,
+        t: torch.Tensor,
+        name: GroupName | None = None,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    ) -> torch.Tensor:
+        """In-place all-reduce (sum, or ``op``) of ``t`` over group ``name``, or over every rank
+        (None); a tensor off the collective device (host metrics under NCCL) goes through it."""
         if self.groups is not None:
-            dist.all_reduce(t, group=None if name is None else self.groups[name])
+            group = None if name is None else self.groups[name]
+            buf = t if t.device == self.device else t.to(self.device)
+            dist.all_reduce(buf, op=op, group=group)
+            if buf is not t:
+                t.copy_(buf)
         return t
 
     def barrier(self) -> None:
@@ -171,11 +183,12 @@ def check_model(dims: ParallelDims, config: ModelConfig) -> None:
 
 
 def setup_distributed(
-    parallel: ParallelConfig, device: str, model: ModelConfig | None = None
+    parallel: ParallelConfig, device: torch.device, model: ModelConfig | None = None
 ) -> TrainLayout:
     """Check the layout (and ``model`` against it, when its config is already known) before
     joining the torchrun group — a bad layout fails at once on every rank, no rendezvous — then
-    join it (if launched by torchrun) and build the named groups once."""
+    join it (if launched by torchrun: gloo, or NCCL on this rank's ``LOCAL_RANK`` GPU) and build
+    the named groups once."""
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size()
     else:
@@ -186,8 +199,13 @@ def setup_distributed(
     if world == 1:
         return TrainLayout(dims, None)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    return TrainLayout(dims, dims.build_groups(), dist.get_rank())
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    collective = (
+        torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else _CPU
+    )
+    return TrainLayout(dims, dims.build_groups(), dist.get_rank(), collective)
 
 
 # ---------------------------------------------------------------------------- parallelisms

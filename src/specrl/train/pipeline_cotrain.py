@@ -297,7 +297,9 @@ class PipelineCotrainer:
             self.draft.zero_grad(set_to_none=True)
         self._table = [self._prepare(mb) for mb in microbatches]
         count = torch.tensor(
-            [float(mb.loss_mask.sum()) for mb in microbatches], dtype=torch.float64
+            [float(mb.loss_mask.sum()) for mb in microbatches],
+            dtype=torch.float64,
+            device=self.device,  # NCCL reduces device tensors only
         ).sum()
         if self.dims.dp > 1:
             dist.all_reduce(count, group=self.groups["dp"])
