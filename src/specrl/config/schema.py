@@ -86,6 +86,11 @@ class PolicyConfig:
         None, "If set and `path` holds no checkpoint, create it by supervised warm-start first."
     )
     max_new_tokens: int = doc(64, "Generation budget per completion (evaluation and rollouts).")
+    shape: str | None = doc(
+        None,
+        "Named shape preset the checkpoint must match (llama-8b, qwen-32b, llama-70b, "
+        "dense-122b); checked at load, and lets layouts be validated before the weights exist.",
+    )
 
 
 @dataclass

@@ -95,3 +95,28 @@ def preset_config(name: str, *, vocab_size: int | None = None, **overrides: Any)
         raise ConfigError(f"unknown model preset {name!r}", hint=f"choose one of {known}")
     fields.update(overrides)
     return ModelConfig(model_type="llama", **fields)
+
+
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+
+
+def check_shape(config: ModelConfig, preset: str, source: str = "policy") -> None:
+    """Raise ConfigError when ``config`` does not have the shape of the named large preset."""
+    want = preset_config(preset)
+    diff = [
+        f"{f} {getattr(config, f)} ≠ {getattr(want, f)}"
+        for f in SHAPE_FIELDS
+        if getattr(config, f) != getattr(want, f)
+    ]
+    if diff:
+        raise ConfigError(
+            f"{source}: checkpoint does not have the '{preset}' shape: " + ", ".join(diff),
+            hint="fix policy.shape or policy.path",
+        )

@@ -62,6 +62,7 @@ from specrl.errors import ConfigError, LayoutError, SpecrlError
 from specrl.models.checkpoint import load_config, load_model, load_tokenizer, save_model
 from specrl.models.draft import Eagle3Draft
 from specrl.models.draft_io import draft_state, load_draft, save_draft
+from specrl.models.presets import check_shape
 from specrl.models.tokenizer import TextCodec
 from specrl.rl.advantages import group_advantages, informative_groups
 from specrl.rl.tasks import Problem, task_from_config
@@ -194,6 +195,8 @@ class RLTrainer:
         draft_dir = resume_from / "draft" if resume_from else Path(recipe.draft.path)
         seed_everything(recipe.run.seed)
         self.policy = load_model(policy_dir, dtype=recipe.policy.dtype, device=self.device)
+        if recipe.policy.shape:
+            check_shape(self.policy.config, recipe.policy.shape, f"{source}: policy.path")
         if known is None:
             check_model(self.layout.dims, self.policy.config)
         tok = load_tokenizer(policy_dir)
