@@ -172,8 +172,7 @@ def _run_layout(config: ModelConfig, layout: Layout, w: Workload, timed: int) ->
     )
     groups = dims.build_groups()
     n = microbatches(w.global_batch, w.micro_batch, layout.dp)
-    dtype = torch.bfloat16 if w.precision == "bf16" else torch.float32
-    policy = Transformer(config).init_weights(0).to(device=device, dtype=dtype)
+    policy = Transformer(config).init_weights(0).to(device)
     draft = None
     taps: tuple[int, ...] = ()
     if w.ttt_steps > 0:
@@ -182,7 +181,7 @@ def _run_layout(config: ModelConfig, layout: Layout, w: Workload, timed: int) ->
         )
         taps = tuple(dcfg.tap_layers)
         if PipelineCotrainer.hosts_draft(groups):
-            draft = init_draft_weights(Eagle3Draft(dcfg), 1).to(device=device, dtype=dtype)
+            draft = init_draft_weights(Eagle3Draft(dcfg), 1).to(device)
             counts = torch.arange(config.vocab_size, dtype=torch.float64)
             draft.set_vocab_map(build_vocab_map(counts, dcfg.draft_vocab_size))
             draft.refresh_embedding(policy.model.embed_tokens.weight)
@@ -246,8 +245,18 @@ def measure(
     timed: int = 1,
     timeout: float = 600.0,
 ) -> dict[Layout, list[RankMeasurement]]:
-    """Run every layout for real; per layout, every rank's measurement (rank order)."""
+    """Run every layout for real; per layout, every rank's measurement (rank order).
+
+    The runs are specrl's step as it is — float32, plain AdamW — so ``workload`` must say so."""
     import torch
+
+    from specrl.errors import ConfigError
+
+    if workload.precision != "fp32" or workload.sharding != "none":
+        raise ConfigError(
+            "measured runs train in fp32 with unsharded AdamW (specrl's step as it is)",
+            hint="measure with precision='fp32' and sharding='none'",
+        )
 
     from specrl.core.distributed import spawn
 
