@@ -66,7 +66,7 @@ LARGE_PRESETS: dict[str, dict[str, Any]] = {
     "dense-122b": dict(
         vocab_size=152064,
         hidden_size=10240,
-        intermediate_size=32768,
+        intermediate_size=36864,
         num_hidden_layers=88,
         num_attention_heads=80,
         num_key_value_heads=8,
