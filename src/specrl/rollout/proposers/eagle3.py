@@ -55,6 +55,7 @@ class Eagle3Proposer:
         self.device = ctx.target.device
         self._to_target = draft.draft_to_target
         self._state: dict[int, _State] = {}
+        self._one_layouts: dict[int, PackedLayout] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self, seq: SeqState) -> None:
@@ -112,53 +113,65 @@ class Eagle3Proposer:
             return
         feats, ids, lens, prefix = [], [], [], []
         for s in todo:
-            st = self._state[s.seq_id]
-            rows = torch.cat(st.pending)
+            pending = self._state[s.seq_id].pending
+            rows = pending[0] if len(pending) == 1 else torch.cat(pending)
             n = rows.shape[0]
             first = s.kv_len - n  # positions first … kv_len − 1, next tokens known
             feats.append(rows)
             ids.extend(s.tokens[first + 1 : s.kv_len + 1])  # x_{t+1} for each position t
             lens.append(n)
             prefix.append(first)
-        layout = PackedLayout.from_lengths(lens, device=self.device)
-        cache = CacheBatch(
-            self.cache,
-            torch.tensor([s.slot for s in todo], device=self.device),
-            torch.tensor(prefix, device=self.device),
-            max(s.kv_len for s in todo),
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        t_ids, t_cu, t_pos, t_seq, t_slots, t_prefix, t_last = _int_tensors(
+            ids,
+            cu,
+            [j for n in lens for j in range(n)],
+            [i for i, n in enumerate(lens) for _ in range(n)],
+            [s.slot for s in todo],
+            prefix,
+            [c - 1 for c in cu[1:]],
+            device=self.device,
         )
-        h = self.draft.decode(
-            self.draft.project(torch.cat(feats)),
-            torch.tensor(ids, device=self.device),
-            layout,
-            cache,
-        )
-        last = layout.cu_seqlens[1:] - 1
-        for j, s in enumerate(todo):
+        layout = PackedLayout(t_cu, t_pos, max(lens), t_seq)
+        cache = CacheBatch(self.cache, t_slots, t_prefix, max(s.kv_len for s in todo))
+        h = self.draft.decode(self.draft.project(torch.cat(feats)), t_ids, layout, cache)
+        for s, h_last in zip(todo, h.index_select(0, t_last), strict=True):
             st = self._state[s.seq_id]
-            st.h_last, st.main_len, st.pending = h[last[j]], s.kv_len, []
+            st.h_last, st.main_len, st.pending = h_last, s.kv_len, []
 
     # ------------------------------------------------------------------ chain drafting
-    def _pick(self, logits: torch.Tensor, seqs: list[SeqState]):
+    def _pick(
+        self,
+        logits: torch.Tensor,  # [B, Vd] draft-vocabulary logits
+        seqs: list[SeqState],
+        sampled: list[int],  # rows of sampled (temperature > 0) sequences
+        temps: torch.Tensor | None,  # [len(sampled)] their temperatures
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft token per row of draft-vocab logits [B, Vd], all rows at once.
 
         Greedy rows take the argmax (one-hot q); sampled rows draw by inverse CDF from
         q = softmax(logits / temperature) with one uniform from the sequence's own generator.
         Returns target ids [B] and q [B, V] over the target vocabulary (None when all greedy).
         """
-        temps = [s.params.temperature for s in seqs]
-        sampled = [i for i, t in enumerate(temps) if t > 0]
-        ids = logits.argmax(-1)  # [B]
-        q = None
-        if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
-            t = torch.tensor([temps[i] for i in sampled], device=logits.device)
-            q_d = torch.softmax(logits[rows].float() / t[:, None], dim=-1)  # [S, Vd]
-            u = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in sampled])
-            cdf = q_d.cumsum(-1)
-            pick = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None])[:, 0]
-            ids[rows] = pick.clamp(max=q_d.shape[-1] - 1)
-            q = logits.new_zeros(len(seqs), self.vocab, dtype=torch.float32)
+        if not sampled:
+            return self._to_target[logits.argmax(-1)], None
+        every = len(sampled) == len(seqs)  # all rows sampled: no row selection needed
+        rows = None if every else torch.tensor(sampled, device=logits.device)
+        x = logits if rows is None else logits[rows]
+        q_d = torch.softmax(x.float() / temps[:, None], dim=-1)  # [S, Vd]
+        u = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in sampled])
+        cdf = q_d.cumsum(-1)
+        pick = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None])[:, 0]
+        pick = pick.clamp(max=q_d.shape[-1] - 1)
+        q = logits.new_zeros(len(seqs), self.vocab, dtype=torch.float32)
+        if rows is None:
+            ids = pick
+            q[:, self._to_target] = q_d
+        else:
+            ids = logits.argmax(-1)  # [B]
+            ids[rows] = pick
             q[rows[:, None], self._to_target[None, :]] = q_d
         return self._to_target[ids], q
 
@@ -174,42 +187,65 @@ class Eagle3Proposer:
         live = [b for b in live if self._state[batch[b].seq_id].h_last is not None]
         if not live:
             return out
+        # longest chains first: the rows still drafting at chain step j are a prefix, so every
+        # step slices (views) instead of selecting rows
+        live.sort(key=lambda b: -min(ks[b], self.max_k))
+        seqs = [batch[b] for b in live]
         steps = [min(ks[b], self.max_k) for b in live]
-        h = torch.stack([self._state[batch[b].seq_id].h_last for b in live])  # [B, H]
-        toks: list[torch.Tensor] = []  # per chain step: [B_j] target ids of the live rows
+        sampled = [i for i, s in enumerate(seqs) if s.params.temperature > 0]
+        temps = (
+            torch.tensor([seqs[i].params.temperature for i in sampled], device=self.device)
+            if sampled
+            else None
+        )
+        slots, prefix = _int_tensors(
+            [s.slot for s in seqs], [s.kv_len for s in seqs], device=self.device
+        )
+        h = torch.stack([self._state[s.seq_id].h_last for s in seqs])  # [B, H]
+        toks: list[torch.Tensor] = []  # per chain step j: [n_j] target ids of the first n_j rows
         qs: list[torch.Tensor | None] = []
-        rows = list(range(len(live)))  # indices into ``live`` still drafting
-        for step in range(max(steps)):
-            seqs = [batch[live[r]] for r in rows]
-            tok, q = self._pick(self.draft.logits(h), seqs)
+        n = len(seqs)
+        for step in range(steps[0]):
+            tok, q = self._pick(self.draft.logits(h), seqs[:n], sampled, temps)
             toks.append(tok)
             qs.append(q)
-            keep = [j for j, r in enumerate(rows) if steps[r] > step + 1]
-            if not keep:
+            n = sum(1 for k in steps if k > step + 1)
+            if n == 0:
                 break
-            rows = [rows[j] for j in keep]
-            sel = torch.tensor(keep, device=self.device)
-            h, tok = h[sel], tok[sel]
-            seqs = [batch[live[r]] for r in rows]
-            prefix = torch.tensor([s.kv_len + step for s in seqs], device=self.device)
-            one = PackedLayout.from_lengths([1] * len(rows), device=self.device)
-            slots = torch.tensor([s.slot for s in seqs], device=self.device)
-            cache = CacheBatch(self.cache, slots, prefix, max(s.kv_len for s in seqs) + step + 1)
-            h = self.draft.decode(h, tok, one, cache)
+            if n < len(toks[-1]):  # some chains ended: keep the first n rows
+                h, tok = h[:n], tok[:n]
+                sampled = [i for i in sampled if i < n]
+                temps = None if temps is None else temps[: len(sampled)]
+            kv = [s.kv_len for s in seqs[:n]]
+            cache = CacheBatch(
+                self.cache,
+                slots[:n],
+                prefix[:n] + step,
+                max(kv) + step + 1,
+                slots_are_prefix=all(s.slot == i for i, s in enumerate(seqs[:n])),
+                full_rows=all(x == kv[0] for x in kv),  # one token each at one position
+            )
+            h = self.draft.decode(h, tok, self._ones(n), cache)
         host = [t.tolist() for t in toks]  # one transfer per chain step, after the loop
-        active = list(range(len(live)))
-        for step, (t_host, q) in enumerate(zip(host, qs, strict=True)):
-            for j, r in enumerate(active):
-                b = live[r]
-                out[b].tokens.append(t_host[j])
-                if q is not None and batch[b].params.temperature > 0:
-                    out[b].probs = (
-                        q[j : j + 1]
-                        if out[b].probs is None
-                        else torch.cat([out[b].probs, q[j : j + 1]])
-                    )
-            active = [r for r in active if steps[r] > step + 1]
+        for r, b in enumerate(live):
+            out[b].tokens = [host[j][r] for j in range(min(steps[r], len(host)))]
+            rows = [q[r : r + 1] for q in qs[: len(out[b].tokens)] if q is not None]
+            if rows and batch[b].params.temperature > 0:
+                out[b].probs = rows[0] if len(rows) == 1 else torch.cat(rows)
         return out
+
+    def _ones(self, n: int) -> PackedLayout:
+        """The layout of n sequences of one token each (kept: chain steps reuse it)."""
+        layout = self._one_layouts.get(n)
+        if layout is None:
+            layout = self._one_layouts[n] = PackedLayout.from_lengths([1] * n, device=self.device)
+        return layout
+
+
+def _int_tensors(*parts: list[int], device: torch.device) -> list[torch.Tensor]:
+    """Host int lists → int64 tensors on ``device``: one transfer, the results are views."""
+    flat = torch.tensor([x for p in parts for x in p], dtype=torch.int64, device=device)
+    return list(flat.split([len(p) for p in parts]))
 
 
 @register_proposer("eagle3")
