@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from specrl.core.attention import PackedLayout
 from specrl.errors import CheckpointError, ConfigError
@@ -520,18 +519,31 @@ class RolloutEngine:
         t["params"] = RowParams.build([s.params for s in launch.seqs], launch.num_rows, self.device)
         t["uniforms"] = self._uniforms(launch)
         if any(d.probs is not None for d in launch.drafts):
-            t["draft_probs"] = torch.cat([self._q_rows(d) for d in launch.drafts], dim=0)  # [R, V]
+            t["draft_probs"] = self._draft_probs(launch.drafts)  # [R, V]
 
-    def _q_rows(self, draft: Draft) -> torch.Tensor:
-        """[k + 1, V] q rows of one sequence (one-hot for a probs-less draft; last row unused)."""
-        v = self.vocab_size
+    def _draft_probs(self, drafts: list[Draft]) -> torch.Tensor:
+        """[R, V] q of every verified row, sequences packed as the logit rows: a draft's probs,
+        one-hot for a probs-less draft, zeros on each sequence's last (bonus) row.  Built with a
+        fixed handful of ops whatever the batch size."""
         dtype = torch.float64 if self.model.dtype == torch.float64 else torch.float32  # as p
-        if draft.probs is not None:
-            q = draft.probs.to(self.device, dtype)  # [k, V]
-        else:
-            ids = torch.tensor(draft.tokens, dtype=torch.int64, device=self.device)
-            q = F.one_hot(ids, v).to(dtype)  # [k, V]
-        return torch.cat([q, q.new_zeros(1, v)], dim=0)
+        prob_rows, probs, hot_rows, hot_ids = [], [], [], []
+        row = 0
+        for d in drafts:
+            k = len(d.tokens)
+            if d.probs is not None:
+                prob_rows += range(row, row + k)
+                probs.append(d.probs)
+            else:
+                hot_rows += range(row, row + k)
+                hot_ids += d.tokens
+            row += k + 1
+        q = torch.zeros(row, self.vocab_size, dtype=dtype, device=self.device)
+        if hot_rows:
+            index = torch.tensor([hot_rows, hot_ids], dtype=torch.int64, device=self.device)
+            q[index[0], index[1]] = 1.0
+        rows = torch.tensor(prob_rows, dtype=torch.int64, device=self.device)
+        q.index_copy_(0, rows, torch.cat(probs).to(self.device, dtype))
+        return q
 
     def _uniforms(self, launch: _Launch) -> torch.Tensor:
         """[R, 2] uniforms: each sequence's rows from its own generator (zeros when greedy)."""
@@ -681,8 +693,11 @@ class RolloutEngine:
         rows = [
             r for start, n in zip(starts, committed, strict=True) for r in range(start, start + n)
         ]
+        taps = launch.out["taps"]
+        if rows == list(range(next(iter(taps.values())).shape[0])):
+            return taps  # every fed row kept, in order (e.g. a plain step): no gather
         index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        return {layer: h.index_select(0, index) for layer, h in launch.out["taps"].items()}
+        return {layer: h.index_select(0, index) for layer, h in taps.items()}
 
     def _stopped(self, seq: SeqState, token: int) -> bool:
         """Mark ``seq`` finished if ``token`` (just appended) ends it."""

@@ -38,7 +38,8 @@ from specrl.rollout.proposers import Draft, ProposerContext, SeqState, register_
 class _State:
     h_last: torch.Tensor | None = None  # [H] pre-norm output at the last committed position
     main_len: int = 0  # draft cache rows holding step-0 entries
-    pending: list[torch.Tensor] = field(default_factory=list)  # tap rows not yet in the cache
+    # tap rows not yet in the cache: (step's concatenated taps [T, 3·H_target], first, end row)
+    pending: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
 
 
 class Eagle3Proposer:
@@ -102,8 +103,10 @@ class Eagle3Proposer:
         start = 0
         for seq, c in zip(batch, committed, strict=True):
             if c > 0 and seq.finish_reason is None:
-                st = self._state.setdefault(seq.seq_id, _State())
-                st.pending.append(feats[start : start + c])
+                st = self._state.get(seq.seq_id)
+                if st is None:
+                    st = self._state[seq.seq_id] = _State()
+                st.pending.append((feats, start, start + c))  # sliced when caught up
             start += c
 
     def _catch_up(self, seqs: list[SeqState]) -> None:
@@ -113,8 +116,8 @@ class Eagle3Proposer:
             return
         feats, ids, lens, prefix = [], [], [], []
         for s in todo:
-            pending = self._state[s.seq_id].pending
-            rows = pending[0] if len(pending) == 1 else torch.cat(pending)
+            chunks = [f[a:b] for f, a, b in self._state[s.seq_id].pending]
+            rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
             n = rows.shape[0]
             first = s.kv_len - n  # positions first … kv_len − 1, next tokens known
             feats.append(rows)
