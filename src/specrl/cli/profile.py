@@ -173,8 +173,11 @@ def profile_command(
     ] = None,
     teacher_shift: Annotated[
         TeacherShift,
-        typer.Option(help="TTT teacher shift under CP: gather (as implemented) or halo."),
-    ] = TeacherShift.gather,
+        typer.Option(
+            help="TTT teacher shift under CP: halo (K-row exchange, as implemented) or gather "
+            "(its fallback when a chunk is shorter than K)."
+        ),
+    ] = TeacherShift.halo,
     top: Annotated[int, typer.Option("--top", help="Rows to show.")] = 10,
     measure: Annotated[
         bool,

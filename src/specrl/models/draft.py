@@ -288,13 +288,14 @@ class Eagle3Draft(nn.Module):
             else:
                 branch_k.append(kk)
                 branch_v.append(vv)
-            bk = torch.stack(branch_k) if branch_k else None
-            bv = torch.stack(branch_v) if branch_v else None
             if attn == "efficient":
-                out = session.attend(q, bk, bv)
+                # per-step branch tensors, never re-stacked: O(K) saved memory, not O(K²)
+                out = session.attend(q, list(branch_k) or None, list(branch_v) or None)
             elif attn == "reference":
                 if cp is not None and cp.size > 1:
                     raise ValueError("the dense reference runs single-process only")
+                bk = torch.stack(branch_k) if branch_k else None
+                bv = torch.stack(branch_v) if branch_v else None
                 out, _ = dense_attention(
                     q, main_k, main_v, layout, branch_k=bk, branch_v=bv, scale=scale
                 )

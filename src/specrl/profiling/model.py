@@ -62,10 +62,11 @@ The last stage's two peaks (the larger counts):
   concatenation, q, k, v, attention output and lse, SwiGLU, the lm_head input) and three fp32
   V_d rows (logits, log-softmax, teacher softmax); the branch K/V stacked again at every step
   (Σ_{k<K} 2·k·Kv·b = K(K−1)·Kv·b: the stacks are copies); the teacher rows (4·V_d), the
-  previous step's shifted rows and a shift's two copies: 4·4·V_d per local token — but
-  PipelineCotrainer shifts under cp > 1 by gathering the whole microbatch's teacher (cached) and
-  shifting that: (2 + 3·cp)·4·V_d per local token, O(S·V_d) whatever cp (``teacher_shift =
-  "gather"``; ``"halo"`` models a K-row exchange instead); ``ring_once``/``gather`` keep the main
+  previous step's shifted rows and a shift's two copies: 4·4·V_d per local token, also under
+  cp > 1, where PipelineCotrainer shifts by a K-row halo exchange (``teacher_shift = "halo"``,
+  :class:`~specrl.train.ttt.HaloShift`); ``"gather"`` models its fallback for packs with a chunk
+  shorter than K — the whole microbatch's teacher gathered (cached) and shifted:
+  (2 + 3·cp)·4·V_d per local token, O(S·V_d) whatever cp; ``ring_once``/``gather`` keep the main
   K/V of the whole sequence (2·cp·Kv·b per local token) where ``ring`` keeps its shard.
 - loss backward: the fp32 logits, log-softmax and their two gradients (4·4·V per token).
 TapChannel landing slots (on the last rank, per remote producer stage s): (depth_s + 1) slots ×
@@ -168,9 +169,9 @@ class Workload:
     """bf16 mixed precision (fp32 grads, master, moments) or plain fp32"""
     sharding: Sharding = "zero1"
     """optimizer/parameter sharding over the dp × cp ranks sharing parameters"""
-    teacher_shift: str = "gather"
-    """how the TTT teacher rows shift under CP: gather the microbatch (what PipelineCotrainer
-    does) or a K-row halo exchange"""
+    teacher_shift: str = "halo"
+    """how the TTT teacher rows shift under CP: a K-row halo exchange (what PipelineCotrainer
+    does) or gather the microbatch (its fallback when a chunk is shorter than K)"""
 
     def __post_init__(self) -> None:
         checks = {

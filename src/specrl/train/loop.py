@@ -91,7 +91,7 @@ from specrl.train.state_io import (
     set_pyrandom_state,
 )
 from specrl.train.ttt import (
-    GatheredShift,
+    HaloShift,
     TTTInputs,
     TTTLoss,
     teacher_from_logits,
@@ -525,7 +525,11 @@ class RLTrainer:
         res = self.draft.ttt_forward(
             feats, ttt.step_ids, local.layout, cp=self.cp, mode=self.recipe.parallel.ttt_cp_mode
         )
-        shift = GatheredShift(plan, full.layout, self.cp) if plan is not None else None
+        shift = (
+            HaloShift(plan, full.layout, self.cp, max_shift=d.ttt_steps)
+            if plan is not None
+            else None
+        )
         return ttt_loss(
             res,
             teacher_from_logits(out.logits, self.draft),

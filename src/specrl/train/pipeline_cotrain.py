@@ -76,7 +76,7 @@ from specrl.models.decoder import Transformer
 from specrl.models.draft import Eagle3Draft
 from specrl.train.parallelize import all_reduce_grads, use_context_parallel
 from specrl.train.ttt import (
-    GatheredShift,
+    HaloShift,
     LossKind,
     TTTInputs,
     teacher_from_logits,
@@ -368,7 +368,7 @@ class PipelineCotrainer:
         teacher = teacher_from_logits(logits[: row.rows], draft)  # detached [rows, V_draft]
         shift = reduce = None
         if cp is not None:
-            shift = GatheredShift(row.real_plan, row.real_layout, cp)
+            shift = HaloShift(row.real_plan, row.real_layout, cp, max_shift=cfg.ttt_steps)
             reduce = _sum_over(cp.group)
         loss = ttt_loss(
             out,

@@ -14,7 +14,9 @@ Steps are weighted ``decay**k``.  Metrics: top-1 agreement acc_k and simulated
 
 Sums and counts are kept apart so data/context-parallel ranks can all-reduce them and reproduce
 the single-process loss exactly (``reduce`` hook).  Under context parallelism the teacher shift
-crosses zigzag shards: :class:`GatheredShift` is the ``shift`` hook for that case.
+crosses zigzag shards: :class:`HaloShift` is the ``shift`` hook for that case — a K-row halo
+exchange with the two ring neighbours, O(T_local·V_draft) per rank — and falls back to
+:class:`GatheredShift` (all-gather the whole teacher, O(T·V_draft)) when a chunk is shorter than K.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def ttt_inputs(
 class GatheredShift:
     """``shift(x, n)`` for :func:`ttt_loss` under context parallelism: each teacher tensor (a
     rank's zigzag shard) is gathered over the cp group once, shifted within its global sequences
-    and sharded back.  O(T·V_draft) per rank; a k-row halo exchange would move less."""
+    and sharded back.  O(T·V_draft) per rank whatever cp: :class:`HaloShift`'s fallback."""
 
     def __init__(self, plan: ZigzagPlan, layout: PackedLayout, cp: CPContext) -> None:
         """``plan``: this rank's zigzag plan of the global ``layout`` over the ring ``cp``."""
@@ -73,6 +75,127 @@ class GatheredShift:
             full = self.plan.unshard(gathered)  # [T, ...] in global order
             self._full.append((x, full))
         return self.plan.shard(shift_within_sequences(full, self.layout, n, 0))
+
+
+class HaloShift:
+    """``shift(x, n)`` for :func:`ttt_loss` under context parallelism by a K-row halo exchange.
+
+    Rank r holds chunk r (front) and chunk 2cp−1−r (back) of every sequence (zigzag, REFERENCE
+    §4).  A row at offset w of a chunk of c rows shifted by n ≤ c reads offset w + n of the same
+    chunk, or — when w + n ≥ c — offset w + n − c < n of the chunk's successor in global order:
+
+    - front chunk r → chunk r+1: rank r+1's front chunk, or for r = cp−1 this rank's own back
+      chunk (local: the back chunk follows the front one in the local layout);
+    - back chunk 2cp−1−r → chunk 2cp−r: rank r−1's back chunk; none for r = 0 (past the end).
+
+    So every rank sends the first K = ``max_shift`` rows of each sequence's front chunk to rank
+    r−1 and of its back chunk to rank r+1, and receives the same from r+1 and r−1: one
+    ``batch_isend_irecv`` of four ops per tensor on every rank (cyclic neighbours, so ranks 0 and
+    cp−1 post the same ops as the others; the rows that wrap around are never read).  cp = 1
+    communicates nothing.  Each tensor is exchanged once and memoized (the K steps of
+    :func:`ttt_loss` shift the same teacher).  The shifted view is built from indices precomputed
+    here for every n: ``x[local_index]`` with the rows that cross a chunk border overwritten from
+    the halo (2·B·n rows at most) and rows shifted past the real end of their sequence, or into
+    its padding, set to 0 — exactly ``plan.shard(shift_within_sequences(global, layout, n, 0))``.
+    The halo is not concatenated to ``x``: that would copy the whole shard per teacher tensor.
+
+    Per rank: the output [T_local, ...] plus 2·B·K halo rows kept per tensor, against the
+    gathered [T, ...] teacher (and its shifted copies) of :class:`GatheredShift`.
+
+    Fallback: when some sequence's chunk c_b = padded_b / 2cp is shorter than K (short sequences
+    or large cp) a shift can span several chunks; every call then goes through
+    :class:`GatheredShift`.  That is decided once per plan (one host sync, ``gathered``), from
+    global lengths, so all ranks take the same path.
+    """
+
+    _FRONT_TAG, _BACK_TAG = 2, 3  # distinct from RingComm's K/V and gradient tags
+
+    def __init__(
+        self, plan: ZigzagPlan, layout: PackedLayout, cp: CPContext, max_shift: int
+    ) -> None:
+        """``plan``: this rank's zigzag plan of the global ``layout`` over the ring ``cp``;
+        ``max_shift``: the largest n asked for (the number of TTT steps; 0 allows none)."""
+        if max_shift < 0:
+            raise ValueError(f"max_shift must be ≥ 0, got {max_shift}")
+        self.cp, self.max_shift = cp, max_shift
+        shortest = int(plan.chunk.min()) if plan.chunk.numel() else max_shift  # host sync
+        self.gathered = cp.size > 1 and shortest < max_shift
+        self._fallback = GatheredShift(plan, layout, cp) if self.gathered else None
+        self._halos: list[tuple[torch.Tensor, torch.Tensor]] = []  # (shard, [2·B·K, ...] halo)
+        self._index: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        if self.gathered:
+            return
+        r, size, k = cp.rank, cp.size, max_shift
+        cu = plan.local.cu_seqlens[:-1]  # [B] start of each local sequence (front chunk)
+        chunk = plan.chunk  # [B] c_b
+        nseq, n_local = chunk.numel(), plan.num_local
+        steps = torch.arange(k, device=cu.device)
+        self._send_front = (cu[:, None] + steps).flatten()  # [B·K] → rank r−1
+        self._send_back = (cu[:, None] + chunk[:, None] + steps).flatten()  # [B·K] → rank r+1
+        if size > 1:
+            self._next = dist.get_global_rank(cp.group, (r + 1) % size)
+            self._prev = dist.get_global_rank(cp.group, (r - 1) % size)
+
+        # Every local row: its chunk offset w, chunk length c and room left in its real sequence.
+        t = torch.arange(n_local, device=cu.device)
+        seq = plan.local.seq_ids  # [T_local]
+        o = t - cu[seq]
+        c = chunk[seq]
+        back = o >= c
+        pos = torch.where(back, (2 * size - 1 - r) * c + o - c, r * c + o)  # global offset
+        room = plan.lengths[seq] - pos  # [T_local] row t + n is real iff n < room
+        seq_base = torch.arange(nseq, device=cu.device)[:, None] * k  # [B, 1] halo row of (b, 0)
+        for n in range(1, k + 1):
+            # rows w ≥ c − n of a chunk read row w + n − c of the successor chunk
+            tail = torch.arange(n, device=cu.device)  # [n]
+            dst, src = [], []
+            if r < size - 1:  # front successor on rank r+1: halo rows [0, B·K)
+                dst.append(cu[:, None] + chunk[:, None] - n + tail)
+                src.append(seq_base + tail)
+            if r > 0:  # back successor on rank r−1: halo rows [B·K, 2·B·K)
+                dst.append(cu[:, None] + 2 * chunk[:, None] - n + tail)
+                src.append(nseq * k + seq_base + tail)
+            empty = t.new_empty(0)
+            self._index.append(
+                (
+                    (t + n).clamp(max=max(n_local - 1, 0)),  # [T_local] same chunk, or r = cp−1
+                    torch.cat([d.flatten() for d in dst]) if dst else empty,  # [≤ 2·B·n]
+                    torch.cat([s.flatten() for s in src]) if src else empty,  # [≤ 2·B·n]
+                    room > n,  # [T_local] bool
+                )
+            )
+
+    def __call__(self, x: torch.Tensor, n: int) -> torch.Tensor:  # x: [T_local, ...]
+        if not 1 <= n <= self.max_shift:
+            raise ValueError(f"shift must be in 1..{self.max_shift}, got {n}")
+        if self._fallback is not None:
+            return self._fallback(x, n)
+        local_index, dst, src, valid = self._index[n - 1]
+        y = x.index_select(0, local_index)  # [T_local, ...]
+        if self.cp.size > 1:  # every rank exchanges (the same four ops), or none does
+            y.index_copy_(0, dst, self._halo(x).index_select(0, src))
+        return y.masked_fill_(~valid.view(-1, *([1] * (y.dim() - 1))), 0)
+
+    def _halo(self, x: torch.Tensor) -> torch.Tensor:
+        """[2·B·K, ...]: the first K rows of every sequence's front chunk on rank r+1, then of
+        every back chunk on rank r−1 (exchanged once per tensor)."""
+        halo = next((h for local, h in self._halos if local is x), None)
+        if halo is None:
+            front = x.index_select(0, self._send_front)  # [B·K, ...]
+            back = x.index_select(0, self._send_back)  # [B·K, ...]
+            halo = x.new_empty((2 * front.shape[0], *x.shape[1:]))
+            from_next, from_prev = halo.split(front.shape[0])
+            g = self.cp.group
+            ops = [
+                dist.P2POp(dist.isend, front, self._prev, g, self._FRONT_TAG),
+                dist.P2POp(dist.isend, back, self._next, g, self._BACK_TAG),
+                dist.P2POp(dist.irecv, from_next, self._next, g, self._FRONT_TAG),
+                dist.P2POp(dist.irecv, from_prev, self._prev, g, self._BACK_TAG),
+            ]
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+            self._halos.append((x, halo))
+        return halo
 
 
 @dataclass
