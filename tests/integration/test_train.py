@@ -67,6 +67,19 @@ def test_single_process_run(first_run):
     assert not list(step_dir.rglob("*.pt")) and not list(step_dir.rglob("*.bin"))
 
 
+def test_cotrain_with_ngram_only_engine(first_run, tmp_path):
+    """A co-trained draft that no proposer uses (n-gram only) trains but is not synced."""
+    _, sets = first_run
+    run = tmp_path / "ngram-only"
+    proc = run_cli("train", RECIPE, *sets, "--set", "train.steps=2", "--set", "checkpoint.every=0",
+                   "--set", "rollout.speculation.proposers=[ngram]", "--set", f"run.out_dir={run}")
+    assert proc.returncode == 0, proc.stderr
+    recs = _records(run)
+    assert [r["step"] for r in recs] == [1, 2]
+    assert all(r["draft_loss"] is not None for r in recs)
+    assert all(set(r["drafter_selections"]) <= {f"ngram/k={k}" for k in (1, 2, 3)} for r in recs)
+
+
 def test_kill_and_resume_reproduces_metrics(first_run):
     base, sets = first_run
     steps = ["--set", "train.steps=5"]
