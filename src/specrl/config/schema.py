@@ -121,6 +121,11 @@ class DraftConfigSection:
     ttt_steps: int = doc(3, "TTT steps K of the online update.")
     loss: Literal["ce", "tv"] = doc("ce", "Soft cross-entropy to the policy, or total variation.")
     lr: float = doc(1e-3, "Draft AdamW learning rate (its own optimizer and param group).")
+    warmup: int = doc(
+        10,
+        "Draft updates over which its learning rate ramps linearly up to `lr` (0: none): Adam's "
+        "first steps are its largest and would knock a warmed-up draft back.",
+    )
     weight_decay: float = doc(0.0, "Draft AdamW weight decay.")
     grad_clip: float = doc(1.0, "Draft gradient-norm clip (separate from the policy's).")
     loss_weight: float = doc(1.0, "Multiplier of the draft loss.")
@@ -129,6 +134,8 @@ class DraftConfigSection:
     def __post_init__(self) -> None:
         if self.ttt_steps < 1:
             raise ValueError("ttt_steps must be ≥ 1")
+        if self.warmup < 0:
+            raise ValueError("warmup must be ≥ 0")
 
 
 @dataclass

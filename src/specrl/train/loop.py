@@ -292,6 +292,18 @@ class RLTrainer:
             )
         self._pp_sums: list[torch.Tensor] = []  # per microbatch [clipped, kl, ratio, nll, tokens]
 
+    def _set_draft_lr(self) -> None:
+        """Linear warm-up of the draft's learning rate over its first ``draft.warmup`` updates,
+        counted by its optimizer's own step (so a resumed run continues the same ramp)."""
+        if self.draft_opt is None:
+            return
+        d = self.recipe.draft
+        state = self.draft_opt.state.get(self.draft_params[0])
+        done = int(state["step"]) if state else 0
+        scale = min(1.0, (done + 1) / d.warmup) if d.warmup > 0 else 1.0
+        for group in self.draft_opt.param_groups:
+            group["lr"] = d.lr * scale
+
     # ------------------------------------------------------------------ engine
     def _max_seq_len(self) -> int:
         """Longest prompt + response the engine admits (bounds the pipeline's token budget)."""
@@ -495,6 +507,7 @@ class RLTrainer:
         t0 = time.perf_counter()
         if self.cotrain:
             dnorm = torch.nn.utils.clip_grad_norm_(self.draft_params, d.grad_clip or torch.inf)
+            self._set_draft_lr()
             self.draft_opt.step()
         self._refresh_draft_embedding()
         t_draft += time.perf_counter() - t0
@@ -508,6 +521,7 @@ class RLTrainer:
             rec.update(draft_sim_tau=tl.tau, draft_acc=tl.acc)
         if self.cotrain:
             rec.update(draft_loss=float(sums[6]), draft_grad_norm=float(dnorm))
+            rec.update(draft_lr=self.draft_opt.param_groups[0]["lr"])
         return rec
 
     def _taps(self, want: bool) -> tuple[int, ...]:
@@ -549,6 +563,7 @@ class RLTrainer:
         assert self.pipeline is not None
         mbs = microbatches(samples, self.recipe.parallel.microbatches, self.device, self.pad_id)
         self._pp_sums = []
+        self._set_draft_lr()  # the draft steps once per pipeline step
         stats = self.pipeline.step(mbs, policy_optimizer=self.opt, draft_optimizer=self.draft_opt)
         t0 = time.perf_counter()
         self._refresh_draft_embedding()
