@@ -120,7 +120,11 @@ class DraftConfigSection:
     init: DraftInitConfig | None = doc(None, "Create the draft at `path` when it does not exist.")
     ttt_steps: int = doc(3, "TTT steps K of the online update.")
     loss: Literal["ce", "tv"] = doc("ce", "Soft cross-entropy to the policy, or total variation.")
-    lr: float = doc(1e-3, "Draft AdamW learning rate (its own optimizer and param group).")
+    lr: float = doc(
+        1e-4,
+        "Draft AdamW learning rate (its own optimizer and param group). 1e-3 suits a lightly "
+        "initialised draft but knocks a well-trained one back (docs/benchmarks.md).",
+    )
     warmup: int = doc(
         10,
         "Draft updates over which its learning rate ramps linearly up to `lr` (0: none): Adam's "
