@@ -59,6 +59,17 @@ def window(recs: list[dict], key: str, head: bool, n: int = 10) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def draft_flop_share(cfg, ttt_steps: int, draft_vocab: int) -> float:
+    """Matmul FLOPs per token of the draft's TTT update over the policy's (forward and backward
+    scale alike; attention scores left out — short sequences): fc over the three taps once, then
+    K unrolled passes of the draft layer and its lm_head, against L target layers + lm_head."""
+    from specrl.profiling.model import Shapes
+
+    s = Shapes.of(cfg)
+    draft = 3 * s.H * s.H + ttt_steps * (s.draft_layer_matmul() + s.H * draft_vocab)
+    return draft / (s.L * s.matmul_params() + s.H * s.V)
+
+
 def markdown(rows: list[dict], targets: dict[str, tuple[bool, str]]) -> str:
     """The result and target tables as Markdown (what docs/benchmarks.md shows)."""
 
@@ -128,6 +139,13 @@ def main() -> None:
             }
         )
     by = {row["mode"]: row for row in rows}
+    from specrl.models.presets import preset_config
+
+    d = base.draft
+    k, vd = d.ttt_steps, trainers["cotrain"].draft.config.draft_vocab_size
+    shares = {"toy (this run)": draft_flop_share(trainers["cotrain"].policy.config, k, vd)}
+    for name in ("llama-8b", "llama-70b"):
+        shares[f"{name}, V_d 32000"] = draft_flop_share(preset_config(name), k, 32000)
     c, f, n = by["cotrain"], by["frozen"], by["none"]
     targets = {
         "reward rises (cotrain)": (
@@ -172,6 +190,8 @@ def main() -> None:
     for name, (ok, detail) in targets.items():
         t2.add_row(name, "yes" if ok else "NO", detail)
     Console().print(t2)
+    listed = ", ".join(f"{n} {v:.0%}" for n, v in shares.items())
+    print(f"draft/policy matmul FLOPs per token (analytic, K = {k}): {listed}")
     if args.markdown:
         print(markdown(rows, targets))
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -183,6 +203,7 @@ def main() -> None:
                 "threads": args.threads,
                 "rows": rows,
                 "targets": {k: {"met": ok, "measured": d} for k, (ok, d) in targets.items()},
+                "draft_flop_share": shares,
                 "plot": str(png),
             },
             indent=2,
