@@ -41,7 +41,7 @@ def bench(shape: str, batch: int, prompt_len: int, new_tokens: int, repeats: int
     path = tmp / shape
     if not path.exists():
         save_model(Transformer(cfg).init_weights(0, std=0.05), path)
-    ours = load_model(path).eval()
+    ours = load_model(path).eval().fuse_projections()  # as the rollout engine runs it
     theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(4, 128, (batch, prompt_len), generator=gen)

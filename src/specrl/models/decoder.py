@@ -132,10 +132,14 @@ class FusedLinears:
             self.weight, self.bias = self._fuse()
         return self.weight, self.bias
 
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """The linears' outputs concatenated along the last dimension, from one matmul."""
+        weight, bias = self.get()
+        return F.linear(x, weight, bias)
+
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The linears' outputs, from one matmul (views into its result)."""
-        weight, bias = self.get()
-        return F.linear(x, weight, bias).split(self.sizes, dim=-1)
+        return self.linear(x).split(self.sizes, dim=-1)
 
 
 class Attention(nn.Module):
@@ -172,16 +176,21 @@ class Attention(nn.Module):
         backend: str = "sdpa",
     ) -> torch.Tensor:
         t = x.shape[0]
-        if self.fused is not None and not torch.is_grad_enabled():
-            q, k, v = self.fused(x)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.fused is not None and self.q_norm is None and not torch.is_grad_enabled():
+            # one matmul, and RoPE on the q and k heads together (elementwise: same bits)
+            qkv = self.fused.linear(x).view(t, hq + 2 * hkv, d)
+            qk = apply_rope(qkv[:, : hq + hkv], cos, sin)
+            q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.fused is not None and not torch.is_grad_enabled():
+                q, k, v = self.fused(x)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attention(q, k, v, layout, cache=cache, backend=backend, window=self.window, cp=self.cp)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 

@@ -172,13 +172,15 @@ class DraftAttention(nn.Module):
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         t = x.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.fused is not None and not torch.is_grad_enabled():
-            q, k, v = self.fused(x)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+            # one matmul, and RoPE on the q and k heads together (elementwise: same bits)
+            qkv = self.fused.linear(x).view(t, hq + 2 * hkv, d)
+            qk = apply_rope(qkv[:, : hq + hkv], cos, sin)
+            return qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
+        q = self.q_proj(x).view(t, hq, d)
+        k = self.k_proj(x).view(t, hkv, d)
+        v = self.v_proj(x).view(t, hkv, d)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
