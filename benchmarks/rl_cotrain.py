@@ -21,12 +21,16 @@ cotrain ≤ 0.6× none; step time ≤ 0.75× none; draft update ≤ 10 % of the 
 
     python benchmarks/rl_cotrain.py                 # 60 steps each, table + JSON + PNG
     python benchmarks/rl_cotrain.py --steps 20      # quicker look
+    # a lightly initialised draft (20 offline steps) that co-training has room to improve
+    python benchmarks/rl_cotrain.py --name rl_cotrain_light --set draft.path=runs/toy/draft-light \
+        --set draft.init.steps=20 --set draft.lr=1e-3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -92,6 +96,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--markdown", action="store_true", help="also print the tables as Markdown")
+    ap.add_argument("--name", default="rl_cotrain", help="results/<name>.json and .png")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -195,10 +200,11 @@ def main() -> None:
     if args.markdown:
         print(markdown(rows, targets))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    png = compare_runs({m: out / m for m in MODES}, RESULTS / "rl_cotrain.png")
-    (RESULTS / "rl_cotrain.json").write_text(
+    png = compare_runs({m: out / m for m in MODES}, RESULTS / f"{args.name}.png")
+    (RESULTS / f"{args.name}.json").write_text(
         json.dumps(
             {
+                "command": " ".join(["python benchmarks/rl_cotrain.py", *sys.argv[1:]]),
                 "steps": args.steps,
                 "threads": args.threads,
                 "rows": rows,

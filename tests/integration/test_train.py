@@ -83,6 +83,17 @@ def test_cotrain_with_ngram_only_engine(first_run, tmp_path):
     assert all(set(r["drafter_selections"]) <= {f"ngram/k={k}" for k in (1, 2, 3)} for r in recs)
 
 
+def test_frozen_sibling_run_gets_a_comparison_plot(first_run):
+    """A/B of draft modes: a frozen run next to the co-trained one plots both on shared axes."""
+    base, sets = first_run
+    run = base / "run-frozen"
+    proc = run_cli("train", RECIPE, *sets, "--set", "train.steps=2", "--set", "checkpoint.every=0",
+                   "--set", "draft.mode=frozen", "--set", f"run.out_dir={run}")
+    assert proc.returncode == 0, proc.stderr
+    assert (run / "compare.png").stat().st_size > 0
+    assert not list(run.glob(".compare*"))  # written through a temp file, renamed
+
+
 def test_kill_and_resume_reproduces_metrics(first_run):
     base, sets = first_run
     steps = ["--set", "train.steps=5"]

@@ -838,9 +838,10 @@ class RLTrainer:
             if writer is not None:
                 writer.close()
         if self.rank == 0 and tr.plots:
-            from specrl.train.plots import plot_run
+            from specrl.train.plots import compare_siblings, plot_run
 
             plot_run(self.run_dir)
+            compare_siblings(self.run_dir)  # co-trained vs frozen (vs none) when both exist
 
     def run(self, on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """All remaining steps; ``on_step(record)`` after each; returns the last record."""

@@ -2,12 +2,17 @@
 
 - :func:`plot_run`: reward (with held-out accuracy) and τ over steps for one run;
 - :func:`compare_runs`: the same curves for several runs on shared axes (e.g. co-trained vs
-  frozen vs no draft), plus rollout time per step.
+  frozen vs no draft), plus the draft's simulated τ and rollout time per step;
+- :func:`compare_siblings`: that comparison for a run and its A/B siblings (run directories
+  next to it that started from the same policy on the same task with another ``draft.mode``).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import yaml
 
 from specrl.train.metrics import read_metrics
 
@@ -69,16 +74,20 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 def compare_runs(runs: dict[str, str | Path], out: str | Path) -> Path:
     plt = _plt()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    panels = {
+        "reward": "reward",
+        "tau": "rollout τ (tokens per verification)",
+        "draft_sim_tau": "draft τ vs the current policy (simulated)",
+        "time_rollout": "rollout seconds per step",
+    }
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
     for i, (label, run_dir) in enumerate(runs.items()):
         recs = read_metrics(Path(run_dir) / "metrics.jsonl")
-        for ax, key in zip(axes, ("reward", "tau", "time_rollout"), strict=True):
+        for ax, key in zip(axes, panels, strict=True):
             x, y = _series(recs, key)
             if x:
                 ax.plot(x, _smooth(y), color=f"C{i}", label=label)
-    for ax, title in zip(
-        axes, ("reward", "τ (tokens per target forward)", "rollout seconds per step"), strict=True
-    ):
+    for ax, title in zip(axes, panels.values(), strict=True):
         ax.set_title(title)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
@@ -89,3 +98,46 @@ def compare_runs(runs: dict[str, str | Path], out: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _ab_key(recipe: dict) -> tuple[str, str]:
+    """What A/B runs of draft modes share: the starting policy and the task."""
+    policy, task = recipe.get("policy") or {}, recipe.get("task") or {}
+    return str(policy.get("path")), yaml.safe_dump(task, sort_keys=True)
+
+
+def compare_siblings(run_dir: str | Path) -> Path | None:
+    """``compare.png`` in ``run_dir`` when sibling runs (same parent directory, same policy path
+    and task, another ``draft.mode``) exist: co-trained vs frozen vs none on shared axes.
+    None when there is nothing to compare with."""
+    run_dir = Path(run_dir).resolve()
+
+    def load(d: Path) -> dict | None:
+        f = d / "recipe.resolved.yaml"
+        if not f.is_file() or not (d / "metrics.jsonl").is_file():
+            return None
+        try:
+            data = yaml.safe_load(f.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    mine = load(run_dir)
+    if mine is None:
+        return None
+    key, mode = _ab_key(mine), (mine.get("draft") or {}).get("mode")
+    runs = {f"{mode} ({run_dir.name})": run_dir}
+    for d in sorted(run_dir.parent.iterdir()):
+        other = load(d) if d.is_dir() and d != run_dir else None
+        if other is None or _ab_key(other) != key:
+            continue
+        other_mode = (other.get("draft") or {}).get("mode")
+        if other_mode != mode:
+            runs[f"{other_mode} ({d.name})"] = d
+    if len(runs) < 2:
+        return None
+    out = run_dir / "compare.png"
+    tmp = run_dir / ".compare.png.tmp.png"
+    compare_runs(runs, tmp)
+    os.replace(tmp, out)
+    return out
