@@ -2,10 +2,8 @@
 
 Same weights (an HF-format checkpoint written by specrl, loaded by both), same prompts, greedy,
 a fixed number of new tokens (HF gets ``min_new_tokens`` so neither stops early).  Runs are
-interleaved (ours, theirs, ours unfused, ours, …) and the median of ``--repeats`` is reported, so
-machine noise hits every side alike.  "ours" runs the model as the rollout engine does (q/k/v and
-gate/up fused into one matmul each); "ours unfused" is the plain module-by-module forward, an A/B
-of that fusion.  Also checks that all three produce the same tokens.
+interleaved (ours, theirs, ours, …) and the median of ``--repeats`` is reported, so machine noise
+hits both sides alike.  Also checks that both produce the same tokens.
 
     python benchmarks/decode.py                # table + benchmarks/results/decode.json
     python benchmarks/decode.py --quick
@@ -43,17 +41,13 @@ def bench(shape: str, batch: int, prompt_len: int, new_tokens: int, repeats: int
     path = tmp / shape
     if not path.exists():
         save_model(Transformer(cfg).init_weights(0, std=0.05), path)
-    ours = load_model(path).eval().fuse_projections()  # as the rollout engine runs it
-    unfused = load_model(path).eval()  # A/B of the fused q/k/v and gate/up projections
+    ours = load_model(path).eval()
     theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(4, 128, (batch, prompt_len), generator=gen)
 
     def run_ours():
         return generate(ours, prompts.tolist(), new_tokens)
-
-    def run_unfused():
-        return generate(unfused, prompts.tolist(), new_tokens)
 
     def run_theirs():
         with torch.no_grad():
@@ -63,24 +57,23 @@ def bench(shape: str, batch: int, prompt_len: int, new_tokens: int, repeats: int
             )
         return out[:, prompt_len:].tolist()
 
-    same = run_ours() == run_theirs() == run_unfused()  # also warms all three up
-    t_ours, t_theirs, t_unfused = [], [], []
+    same = run_ours() == run_theirs()  # also warms both up
+    t_ours, t_theirs = [], []
     for _ in range(repeats):
-        for fn, times in ((run_ours, t_ours), (run_theirs, t_theirs), (run_unfused, t_unfused)):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        run_ours()
+        t_ours.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        run_theirs()
+        t_theirs.append(time.perf_counter() - t0)
     toks = batch * new_tokens
     ours_tps = toks / statistics.median(t_ours)
     theirs_tps = toks / statistics.median(t_theirs)
-    unfused_tps = toks / statistics.median(t_unfused)
     return {
         "shape": shape, "params_m": round(cfg.num_params / 1e6, 2), "batch": batch,
         "prompt_len": prompt_len, "new_tokens": new_tokens,
         "specrl_tok_s": round(ours_tps, 1), "transformers_tok_s": round(theirs_tps, 1),
-        "speedup": round(ours_tps / theirs_tps, 2),
-        "specrl_unfused_tok_s": round(unfused_tps, 1),
-        "fused_gain": round(ours_tps / unfused_tps, 2), "same_tokens": same,
+        "speedup": round(ours_tps / theirs_tps, 2), "same_tokens": same,
     }
 
 

@@ -216,13 +216,6 @@ def atomic_directory(dest: str | os.PathLike[str]):
     return _cm()
 
 
-def owned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous in a storage of its own: safetensors refuses tensors sharing memory (the
-    rollout engine's fused projections make q/k/v and gate/up views of one weight)."""
-    t = t.contiguous()
-    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
-
-
 def save_model(
     model: Transformer,
     path: str | os.PathLike[str],
@@ -235,7 +228,7 @@ def save_model(
     """Write ``model`` as an HF-format directory (sharded + index above ``max_shard_bytes``)."""
     dt = parse_dtype(dtype, default=model.dtype)
     config = model.config
-    state = {k: owned(v.detach().to("cpu", dt)) for k, v in model.state_dict().items()}
+    state = {k: v.detach().to("cpu", dt).contiguous() for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     hf = config.to_hf_dict()

@@ -84,64 +84,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
-class FusedLinears:
-    """Inference fusion of linears that read the same input (q/k/v, gate/up): one matmul.
-
-    The weights (and biases) are concatenated into one tensor and each module's parameters
-    become views of it, so in-place updates (``copy_``, ``load_state_dict``: how the rollout
-    engine syncs weights) land in the fused tensor, and no weight is held twice.  ``get``
-    returns the fused (weight, bias) only while every parameter still is such a view — a
-    re-assigned parameter or a deep copy (which copies each parameter on its own) re-fuses
-    first — so a fused module can never compute with stale weights.  Fused modules run the
-    fused path only without autograd: training keeps the per-module parameters and gradients.
-    """
-
-    def __init__(self, *linears: nn.Linear) -> None:
-        self.linears = linears
-        self.sizes = [lin.out_features for lin in linears]
-        self.weight, self.bias = self._fuse()
-
-    def _fuse(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        with torch.no_grad():
-            weight = torch.cat([lin.weight for lin in self.linears])
-            for lin, part in zip(self.linears, weight.split(self.sizes), strict=True):
-                lin.weight.data = part
-            bias = None
-            if self.linears[0].bias is not None:
-                bias = torch.cat([lin.bias for lin in self.linears])
-                for lin, part in zip(self.linears, bias.split(self.sizes), strict=True):
-                    lin.bias.data = part
-        # (the module's parameter dict, name, the parameter, where its data must stay)
-        self._checks = [
-            (lin._parameters, name, p, p.data_ptr())
-            for lin in self.linears
-            for name, p in lin._parameters.items()
-            if p is not None
-        ]
-        return weight, bias
-
-    def _intact(self) -> bool:
-        """Every parameter is still the one fused, still viewing the fused storage (a few µs:
-        this runs on every forward)."""
-        return all(
-            params[name] is p and p.data_ptr() == ptr for params, name, p, ptr in self._checks
-        )
-
-    def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not self._intact():
-            self.weight, self.bias = self._fuse()
-        return self.weight, self.bias
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """The linears' outputs concatenated along the last dimension, from one matmul."""
-        weight, bias = self.get()
-        return F.linear(x, weight, bias)
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The linears' outputs, from one matmul (views into its result)."""
-        return self.linear(x).split(self.sizes, dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -161,10 +103,6 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         # context-parallel ring of packed training forwards (zigzag-local ``layout``); None: local
         self.cp: CPContext | None = None
-        self.fused: FusedLinears | None = None  # q/k/v in one matmul without autograd
-
-    def fuse(self) -> None:
-        self.fused = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self,
@@ -176,21 +114,12 @@ class Attention(nn.Module):
         backend: str = "sdpa",
     ) -> torch.Tensor:
         t = x.shape[0]
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.fused is not None and self.q_norm is None and not torch.is_grad_enabled():
-            # one matmul, and RoPE on the q and k heads together (elementwise: same bits)
-            qkv = self.fused.linear(x).view(t, hq + 2 * hkv, d)
-            qk = apply_rope(qkv[:, : hq + hkv], cos, sin)
-            q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
-        else:
-            if self.fused is not None and not torch.is_grad_enabled():
-                q, k, v = self.fused(x)
-            else:
-                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attention(q, k, v, layout, cache=cache, backend=backend, window=self.window, cp=self.cp)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -201,17 +130,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.fused: FusedLinears | None = None  # gate/up in one matmul without autograd
-
-    def fuse(self) -> None:
-        self.fused = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and not torch.is_grad_enabled():
-            gate, up = self.fused(x)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -331,17 +252,6 @@ class Transformer(nn.Module):
 
     def layer(self, i: int) -> DecoderLayer:
         return self.model.layers[str(i)]
-
-    def fuse_projections(self) -> Transformer:
-        """Inference: q/k/v and gate/up of every owned layer in one matmul each (parameters
-        become views of the fused weights, see :class:`FusedLinears`; autograd forwards are
-        unchanged).  The rollout engine calls this on its model.  Idempotent."""
-        for layer in self.model.layers.values():
-            if layer.self_attn.fused is None:
-                layer.self_attn.fuse()
-            if layer.mlp.fused is None:
-                layer.mlp.fuse()
-        return self
 
     @property
     def dtype(self) -> torch.dtype:

@@ -35,15 +35,7 @@ from torch import nn
 from specrl.core.attention import PackedLayout, attention, dense_attention
 from specrl.core.attention.ttt import CPContext, Mode, ttt_session
 from specrl.models.config import ModelConfig
-from specrl.models.decoder import (
-    MLP,
-    CacheBatch,
-    FusedLinears,
-    KVCache,
-    RMSNorm,
-    Rotary,
-    apply_rope,
-)
+from specrl.models.decoder import MLP, CacheBatch, KVCache, RMSNorm, Rotary, apply_rope
 
 
 @dataclass
@@ -168,19 +160,12 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        self.fused: FusedLinears | None = None  # q/k/v in one matmul without autograd
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         t = x.shape[0]
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.fused is not None and not torch.is_grad_enabled():
-            # one matmul, and RoPE on the q and k heads together (elementwise: same bits)
-            qkv = self.fused.linear(x).view(t, hq + 2 * hkv, d)
-            qk = apply_rope(qkv[:, : hq + hkv], cos, sin)
-            return qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
-        q = self.q_proj(x).view(t, hq, d)
-        k = self.k_proj(x).view(t, hkv, d)
-        v = self.v_proj(x).view(t, hkv, d)
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -322,17 +307,6 @@ class Eagle3Draft(nn.Module):
         return TTTOutput(logits, hidden)
 
     # ----------------------------------------------------------------------- decoding
-    def fuse_projections(self) -> Eagle3Draft:
-        """Inference: q/k/v and gate/up in one matmul each (parameters become views of the
-        fused weights, see :class:`~specrl.models.decoder.FusedLinears`; TTT training with
-        autograd is unchanged).  The eagle3 proposer calls this on its draft.  Idempotent."""
-        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
-        if attn.fused is None:
-            attn.fused = FusedLinears(attn.q_proj, attn.k_proj, attn.v_proj)
-        if mlp.fused is None:
-            mlp.fuse()
-        return self
-
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         return KVCache(
             self.config.rope_config(),

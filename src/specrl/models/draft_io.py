@@ -36,13 +36,7 @@ import torch
 from safetensors.torch import save_file
 
 from specrl.errors import CheckpointError
-from specrl.models.checkpoint import (
-    atomic_directory,
-    dtype_name,
-    owned,
-    parse_dtype,
-    read_safetensors,
-)
+from specrl.models.checkpoint import atomic_directory, dtype_name, parse_dtype, read_safetensors
 from specrl.models.config import ModelConfig, default_tap_layers
 from specrl.models.decoder import Transformer
 from specrl.models.draft import DraftConfig, Eagle3Draft
@@ -135,7 +129,7 @@ def draft_state(draft: Eagle3Draft, dtype: torch.dtype | None = None) -> dict[st
         v = v.detach().to("cpu")
         if dtype is not None and v.is_floating_point():
             v = v.to(dtype)
-        out[k] = owned(v)
+        out[k] = v.contiguous()
     return out
 
 

@@ -185,7 +185,7 @@ class RolloutEngine:
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be ≥ 1, got {max_batch_size}")
-        self.model = model.fuse_projections()  # q/k/v and gate/up: one matmul each
+        self.model = model
         self.codec = codec
         self.device = model.device
         self.vocab_size = model.config.vocab_size

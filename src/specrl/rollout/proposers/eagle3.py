@@ -47,7 +47,7 @@ class Eagle3Proposer:
 
     def __init__(self, draft: Eagle3Draft, ctx: ProposerContext, max_k: int = 16) -> None:
         check_compatible(draft.config, ctx.target.config, "eagle3 proposer")
-        self.draft = draft.eval().fuse_projections()
+        self.draft = draft.eval()
         self.draft.refresh_embedding(ctx.target.model.embed_tokens.weight, share=True)
         self.tap_layers = tuple(draft.config.tap_layers)
         self.cache = draft.new_cache(ctx.num_slots, ctx.max_model_len + max_k + 1)
