@@ -232,7 +232,8 @@ def test_torchrun_pp2_resume_reproduces_metrics(first_run, pp2_run):
     ids=["cp3-on-2", "stages-over-layers", "tied-pp2"],
 )
 def test_torchrun_bad_layouts(first_run, tmp_path, layout, tied, needle):
-    """Every rank fails with the same one-line error before any rendezvous; torchrun exits 1."""
+    """Every rank fails with the same one-line error before any rendezvous; torchrun exits 1.
+    (torchrun stops the other rank as soon as one exits: under load it may not get to print.)"""
     base, sets = first_run
     if tied:  # the same weights with input and output embedding tied (no draft for this target)
         target = tmp_path / "tied"
@@ -243,7 +244,7 @@ def test_torchrun_bad_layouts(first_run, tmp_path, layout, tied, needle):
     proc = _torchrun(2, *sets, *_overrides(*layout, f"run.out_dir={tmp_path / 'r'}"))
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("Error: ")]
-    assert len(errors) == 2 and all(needle in ln for ln in errors), proc.stderr[-3000:]
+    assert 1 <= len(errors) <= 2 and all(needle in ln for ln in errors), proc.stderr[-3000:]
     assert not re.search(r'File ".*specrl', proc.stderr)  # no traceback from specrl itself
 
 
