@@ -30,8 +30,8 @@ TOY_PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=4,
         num_key_value_heads=2,
     ),
-    # toy-small's width at 4× its depth: a draft layer then costs about what it costs against a
-    # real target's step (benchmarks of speculation, where the draft/target cost ratio decides)
+    # toy-small's width at 4× its depth: one draft layer weighs a quarter as much against the
+    # target (benchmarks of speculation, where the draft/target cost ratio decides)
     "toy-deep": dict(
         hidden_size=128,
         intermediate_size=384,
