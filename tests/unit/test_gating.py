@@ -117,6 +117,32 @@ def test_bandit_tries_every_arm_then_exploits_per_bucket():
     assert replay == [x for pair in zip(picks[0], picks[5], strict=True) for x in pair]
 
 
+def test_bandit_samples_every_arm_before_trusting_one_unlucky_draw():
+    """The best arm's first verification emits nothing extra; the bandit still settles on it."""
+    arms = [Arm("a", 1), Arm("b", 4)]
+    bandit = EpsilonGreedy(arms, epsilon=0.0, seed=0, min_samples=8)
+    seen = {arm: 0 for arm in arms}
+
+    def reward(arm: Arm) -> float:
+        seen[arm] += 1
+        return 1.0 if arm == arms[0] else (0.0 if seen[arm] == 1 else 3.0)
+
+    picks = []
+    for _ in range(16 + 50):
+        arm = bandit.choose(0)
+        picks.append(arm)
+        bandit.update(0, arm, reward(arm))
+    assert picks[:16].count(arms[1]) == 8  # round-robin until both have 8 rewards
+    assert picks[16:] == [arms[1]] * 50  # mean (0 + 7·3)/8 = 2.6 > 1: b, despite its first draw
+    # one sample each (the old rule) would have locked onto a: b's only reward was 0
+    greedy = EpsilonGreedy(arms, epsilon=0.0, seed=0, min_samples=1)
+    seen = {arm: 0 for arm in arms}
+    for _ in range(20):
+        arm = greedy.choose(0)
+        greedy.update(0, arm, reward(arm))
+    assert greedy.choose(0) == arms[0]
+
+
 def test_gate_hysteresis():
     gate = SpeculationGate(hysteresis=0.1)
     decisions = [gate.decide(s) for s in (1.5, 1.01, 0.99, 1.05, 1.09, 1.11, 1.0, 0.95)]
@@ -158,7 +184,13 @@ def test_gate_speculates_in_the_latency_bound_tail_and_not_in_a_full_batch():
     assert spec > 0.9
     assert tokens / seconds > 1.25 * (1 / (a + b))  # clearly faster than plain decoding
     best = max(tail.arms, key=lambda arm: tail.bandit.value(0, arm))
-    assert best.k >= 2  # the tail gets long speculation
+
+    def rate(k: int) -> float:  # expected tokens per second of drafting k at batch 1
+        return (1 - alpha ** (k + 1)) / (1 - alpha) / (a + b * (k + 1))
+
+    # k = 1, 2 and 4 are within 7 % of each other here (k = 8: 28 % worse): the bandit must
+    # exploit a near-optimal draft length, not a particular one
+    assert rate(best.k) >= 0.9 * max(rate(arm.k) for arm in tail.arms)
 
     full = SpecController(["ngram"], 8, probe=0.05, seed=0)
     tokens, seconds, spec = _simulate(full, batch=64, steps=600, a=a, b=b, alpha=alpha)

@@ -184,22 +184,38 @@ class RunningMean:
 
 
 class EpsilonGreedy:
-    """ε-greedy over arms, one value table per batch-size bucket; untried arms go first."""
+    """ε-greedy over arms, one value table per batch-size bucket.
 
-    def __init__(self, arms: Sequence[Arm], epsilon: float = 0.1, seed: int = 0) -> None:
+    Arms with fewer than ``min_samples`` rewards in a bucket go first (round-robin): one
+    verification's reward is noisy (1 … k + 1 tokens emitted), and a single unlucky first draw
+    would otherwise leave the best arm behind a worse one until ε-exploration happens to revisit
+    it often enough to repair the mean.
+    """
+
+    def __init__(
+        self, arms: Sequence[Arm], epsilon: float = 0.1, seed: int = 0, min_samples: int = 8
+    ) -> None:
         if not arms:
             raise ValueError("the bandit needs at least one arm")
+        if min_samples < 1:
+            raise ValueError(f"min_samples must be ≥ 1, got {min_samples}")
         self.arms = tuple(arms)
         self.epsilon = epsilon
+        self.min_samples = min_samples
         self._rng = random.Random(seed)
         self._values: dict[tuple[int, Arm], RunningMean] = {}
         self._turn = -1
 
     def choose(self, bucket: int) -> Arm:
-        untried = [arm for arm in self.arms if (bucket, arm) not in self._values]
-        if untried:  # round-robin, so one batch can try them all at once
+        m = self.min_samples
+        young = [
+            arm
+            for arm in self.arms
+            if (v := self._values.get((bucket, arm))) is None or v.count < m
+        ]
+        if young:  # round-robin, so one batch can sample them all at once
             self._turn += 1
-            return untried[self._turn % len(untried)]
+            return young[self._turn % len(young)]
         if self._rng.random() < self.epsilon:
             return self.arms[self._rng.randrange(len(self.arms))]
         return max(self.arms, key=lambda arm: self._values[bucket, arm].value)
