@@ -754,6 +754,11 @@ class RolloutEngine:
             self.controller.record(batch, arm, k_used, emitted, launch.draft_seconds[b])
 
     # ---------------------------------------------------------------------- weights, stats
+    @property
+    def takes_draft_weights(self) -> bool:
+        """Whether some proposer of this engine loads draft weights (:meth:`update_weights`)."""
+        return any(isinstance(p, SupportsWeights) for p in self.proposers.values())
+
     def update_weights(
         self,
         policy: Mapping[str, torch.Tensor] | None = None,
@@ -769,7 +774,7 @@ class RolloutEngine:
         if policy is None and draft is None:
             raise ValueError("update_weights needs policy and/or draft weights")
         weighted = [p for p in self.proposers.values() if isinstance(p, SupportsWeights)]
-        if draft is not None and not weighted:
+        if draft is not None and not self.takes_draft_weights:
             raise ConfigError(
                 "draft weights given, but no proposer of this engine has weights "
                 f"(proposers: {', '.join(self.proposers) or 'none'})"

@@ -356,10 +356,10 @@ class RLTrainer:
         if self.engine is None:
             return
         policy_state = {k: v.detach() for k, v in self.policy.state_dict().items()}
-        spec = self.recipe.rollout.speculation
-        drafts_with_weights = spec is not None and "eagle3" in spec.proposers
         # a co-trained draft no proposer uses (e.g. n-gram only) trains but is not synced
-        draft = draft_state(self.draft) if self.cotrain and drafts_with_weights else None
+        draft = (
+            draft_state(self.draft) if self.cotrain and self.engine.takes_draft_weights else None
+        )
         self.engine.update_weights(policy=policy_state, draft=draft, version=version)
         mine = [float(p.detach().double().sum()) for p in self.policy.parameters()]
         theirs = [float(p.detach().double().sum()) for p in self.engine.model.parameters()]
