@@ -142,7 +142,8 @@ class _Launch:
     arms: list[Arm | None]  # per sequence: the bandit arm when speculating
     caps: list[int]  # per sequence: the draft length it was allowed
     num_rows: list[int]  # per sequence: verified (logit) rows, k + 1
-    draft_seconds: list[float] = field(default_factory=list)  # per sequence: drafting time
+    # one entry per propose call: (proposer, tokens asked Σ caps, longest cap, seconds)
+    draft_calls: list[tuple[str, int, int, float]] = field(default_factory=list)
     input_starts: list[int] = field(default_factory=list)  # first packed row of each ``fed``
     tensors: dict[str, Any] = field(default_factory=dict)  # device inputs
     out: dict[str, Any] = field(default_factory=dict)  # device outputs
@@ -364,7 +365,7 @@ class RolloutEngine:
         self._seconds += seconds
         if decode is not None:
             # the target's decode share of the step: without the prefill and the drafting
-            target = seconds - sum(decode.draft_seconds)
+            target = seconds - sum(call[-1] for call in decode.draft_calls)
             if prefill is not None:
                 target -= self._stopwatch.seconds(start, stop)
             padded = len(decode.seqs) * max(decode.num_rows)
@@ -408,7 +409,7 @@ class RolloutEngine:
         arms = self.controller.plan(len(seqs))
         drafts = [Draft([]) for _ in seqs]
         caps = [0] * len(seqs)
-        draft_seconds = [0.0] * len(seqs)  # each sequence's share of its proposer's call
+        draft_calls = []
         if arms is not None:
             asked: dict[str, list[int]] = {}
             for b, (seq, arm) in enumerate(zip(seqs, arms, strict=True)):
@@ -424,10 +425,10 @@ class RolloutEngine:
                     raise RuntimeError(
                         f"proposer {name!r} returned {len(got)} drafts for {len(idx)}"
                     )
-                asked_tokens = sum(caps[b] for b in idx)
                 for b, draft in zip(idx, got, strict=True):
                     drafts[b] = self._checked(name, draft, caps[b])
-                    draft_seconds[b] = spent * caps[b] / asked_tokens
+                want = [caps[b] for b in idx]
+                draft_calls.append((name, sum(want), max(want), spent))
         return _Launch(
             prefill=False,
             seqs=seqs,
@@ -438,7 +439,7 @@ class RolloutEngine:
             arms=list(arms) if arms is not None else [None] * len(seqs),
             caps=caps,
             num_rows=[len(d.tokens) + 1 for d in drafts],
-            draft_seconds=draft_seconds,
+            draft_calls=draft_calls,
         )
 
     def _checked(self, name: str, draft: Draft, cap: int) -> Draft:
@@ -744,14 +745,17 @@ class RolloutEngine:
         )
 
     def _learn(self, launch: _Launch, host: dict[str, list]) -> None:
-        """Feed the bandit: one reward per sequence that was allowed to draft."""
+        """Feed the drafting cost models, then the bandit: one reward per sequence that was
+        allowed to draft."""
+        for call in launch.draft_calls:
+            self.controller.record_draft(*call)
         batch = len(launch.seqs)
         for b, arm in enumerate(launch.arms):
             if arm is None or launch.caps[b] <= 0:
                 continue
             k_used = launch.num_rows[b] - 1
             emitted = host["num_accepted"][b] + 1
-            self.controller.record(batch, arm, k_used, emitted, launch.draft_seconds[b])
+            self.controller.record(batch, arm, k_used, emitted)
 
     # ---------------------------------------------------------------------- weights, stats
     @property

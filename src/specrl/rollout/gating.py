@@ -11,15 +11,22 @@ small pieces decide, all online, all deterministic given a seed and the measured
   P = B·max(k + 1), t = a + b·T + c·P, non-negative least squares over the last ``window``
   decode steps (P matters for attention kernels that pad every sequence to the longest one; a
   varlen kernel fits c ≈ 0).  Flat before the data has spread (optimistic: speculation is tried).
-  Drafting time is tracked apart, per arm and batch-size bucket, in seconds per sequence.
-- :class:`EpsilonGreedy`: per request and step, which arm (proposer, k) drafts, bucketed by
-  batch size (buckets 1, 2–3, 4–7, …); ε-greedy (TLT's choice, ε = 0.1).  Reward of one
-  verification = tokens emitted / its share of the step cost, a/B + b·(k_used + 1) + c·(k + 1)
-  + its drafting time, so a long k wins in the latency-bound tail, a short one (or none, via the
-  gate) in a full batch, and an expensive drafter only where its acceptance pays for it.
+- :class:`DraftCost`: the same fit per proposer for its ``propose`` calls, from the tokens it
+  drafted (Σ caps) and the length of its longest chain (max cap): a chain drafter runs one
+  forward per position for the whole batch, so most of its cost is per call and per position,
+  not per sequence.  Zero before the first call (optimistic).
+- :class:`EpsilonGreedy`: per decode step, which arm (proposer, k) every request in it drafts
+  with, bucketed by batch size (buckets 1, 2–3, 4–7, …); ε-greedy (TLT's choice, ε = 0.1) whose
+  exploration skips clearly worse arms most of the time, so it costs ≤ ε·gap on average.
+  Reward of one verification = tokens emitted / its share of the step cost, a/B + b·(k_used + 1)
+  + c·(k + 1) + d(B·k, k)/B, with d the proposer's drafting time for a call in which the whole
+  batch drafts k tokens: each arm is charged what it costs once exploited, not what a step that
+  explored it with few sequences happened to pay.  So a long k wins in the latency-bound tail, a
+  short one (or none, via the gate) in a full batch, and an expensive drafter only where its
+  acceptance pays for it.
 - :class:`SpeculationGate`: speculation on or off for the step, from the expected speedup
-  S(B) = max over arms of τ̂·t(B, B) / (t(B·f̂, B·(k + 1)) + B·d̂) (τ̂ tokens emitted and f̂ fed
-  per verification, d̂ drafting seconds per sequence) with hysteresis: off below 1, on again
+  S(B) = max over arms of τ̂·t(B, B) / (t(B·f̂, B·(k + 1)) + d(B·k, k)) (τ̂ tokens emitted and f̂
+  fed per verification, d the proposer's drafting time) with hysteresis: off below 1, on again
   above 1 + h.  Probes keep both sides measured: while off, about one step in 1/probe still
   speculates (a whole step, not a few sequences: with a padding kernel one drafting sequence
   makes the whole batch pay for k + 1 query rows); while on, about one in 1/probe runs plain.
@@ -74,7 +81,10 @@ class CostModel:
 
     _SUBSETS = ((0,), (1,), (2,), (0, 1), (0, 2), (1, 2), (0, 1, 2))
 
-    def __init__(self, window: int = 256) -> None:
+    def __init__(
+        self, window: int = 256, prior: tuple[float, float, float] = (1.0, 0.0, 0.0)
+    ) -> None:
+        self._prior = prior
         self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)
         # running sums over the window: Σ x xᵀ, Σ x y, Σ y² with x = (1, T, P)
         self._gram = [[0.0] * 3 for _ in range(3)]
@@ -127,7 +137,7 @@ class CostModel:
 
     def _solve(self) -> tuple[float, float, float]:
         if not self._obs:
-            return 1.0, 0.0, 0.0
+            return self._prior
         gram, xy, yy = self._gram, self._xy, self._yy
         best, best_err = [0.0, 0.0, 0.0], yy  # all-zero coefficients: error Σy²
         for idx in self._SUBSETS:
@@ -170,6 +180,15 @@ def _solve_small(g: list[list[float]], h: list[float]) -> list[float] | None:
     return out
 
 
+class DraftCost(CostModel):
+    """Seconds of one ``propose`` call, d = a + b·N + c·K: N tokens drafted (Σ caps), K the
+    longest chain (max cap).  A chain drafter costs about K·(forward latency) + N·(per-row
+    cost); a lookup drafter about N·(per-token cost).  Zero before the first call."""
+
+    def __init__(self, window: int = 256) -> None:
+        super().__init__(window, prior=(0.0, 0.0, 0.0))
+
+
 class RunningMean:
     """Mean that turns into an exponential moving average after 1/``min_rate`` samples."""
 
@@ -184,24 +203,41 @@ class RunningMean:
 
 
 class EpsilonGreedy:
-    """ε-greedy over arms, one value table per batch-size bucket.
+    """ε-greedy over arms, one value table per batch-size bucket, with exploration whose
+    expected cost is bounded.
 
     Arms with fewer than ``min_samples`` rewards in a bucket go first (round-robin): one
     verification's reward is noisy (1 … k + 1 tokens emitted), and a single unlucky first draw
-    would otherwise leave the best arm behind a worse one until ε-exploration happens to revisit
+    would otherwise leave the best arm behind a worse one until exploration happens to revisit
     it often enough to repair the mean.
+
+    Then, with probability ε, a uniformly drawn arm j is explored — if its value is within
+    ``gap`` (relative) of the best, always; else only with probability gap/g_j, g_j = 1 − v_j/v*.
+    Arms close to the best (whose order the noise may have swapped) are revisited at the full
+    rate; a clearly worse arm is still revisited (the policy drifts; its value may recover), but
+    so rarely that exploring costs at most ε·gap of the throughput on average, instead of ε times
+    the worst arm's shortfall (exploring a drafter with a dear per-call cost in 10 % of a full
+    batch's steps would cost more than any drafter saves).
     """
 
     def __init__(
-        self, arms: Sequence[Arm], epsilon: float = 0.1, seed: int = 0, min_samples: int = 8
+        self,
+        arms: Sequence[Arm],
+        epsilon: float = 0.1,
+        seed: int = 0,
+        min_samples: int = 8,
+        gap: float = 0.1,
     ) -> None:
         if not arms:
             raise ValueError("the bandit needs at least one arm")
         if min_samples < 1:
             raise ValueError(f"min_samples must be ≥ 1, got {min_samples}")
+        if not 0 < gap <= 1:
+            raise ValueError(f"gap must be in (0, 1], got {gap}")
         self.arms = tuple(arms)
         self.epsilon = epsilon
         self.min_samples = min_samples
+        self.gap = gap
         self._rng = random.Random(seed)
         self._values: dict[tuple[int, Arm], RunningMean] = {}
         self._turn = -1
@@ -213,12 +249,17 @@ class EpsilonGreedy:
             for arm in self.arms
             if (v := self._values.get((bucket, arm))) is None or v.count < m
         ]
-        if young:  # round-robin, so one batch can sample them all at once
+        if young:  # round-robin
             self._turn += 1
             return young[self._turn % len(young)]
+        best = max(self.arms, key=lambda arm: self._values[bucket, arm].value)
         if self._rng.random() < self.epsilon:
-            return self.arms[self._rng.randrange(len(self.arms))]
-        return max(self.arms, key=lambda arm: self._values[bucket, arm].value)
+            arm = self.arms[self._rng.randrange(len(self.arms))]
+            top = self._values[bucket, best].value
+            shortfall = 1.0 - self._values[bucket, arm].value / top if top > 0 else 0.0
+            if shortfall <= self.gap or self._rng.random() * shortfall < self.gap:
+                return arm
+        return best
 
     def update(self, bucket: int, arm: Arm, reward: float) -> None:
         self._values.setdefault((bucket, arm), RunningMean()).add(reward)
@@ -285,13 +326,13 @@ class SpecController:
         self.plain_steps = 0
         self.selections: dict[str, int] = {str(a): 0 for a in self.arms}
         self._shape = {a: _ArmShape(RunningMean(), RunningMean()) for a in self.arms}
-        self._draft: dict[tuple[int, Arm], RunningMean] = {}  # drafting seconds per sequence
+        self.draft_cost = {p: DraftCost(cost_window) for p in proposers}
 
     def expected_speedup(self, batch_size: int) -> float:
-        """max over arms of τ̂·t(B, B) / (t(B·f̂, B·(k+1)) + B·d̂): τ̂ tokens emitted, f̂ fed and
-        d̂ drafting seconds per sequence; untried arms count as fully accepted and free."""
+        """max over arms of τ̂·t(B, B) / (t(B·f̂, B·(k+1)) + d(B·k, k)): τ̂ tokens emitted and
+        f̂ fed per verification, d the proposer's drafting time when the whole batch drafts k;
+        untried arms count as fully accepted."""
         plain = self.cost.predict(batch_size, batch_size)
-        bucket = batch_bucket(batch_size)
         best = 0.0
         for arm, shape in self._shape.items():
             if shape.emitted.count:
@@ -299,28 +340,23 @@ class SpecController:
             else:
                 tau = fed = arm.k + 1.0
             spec = self.cost.predict(batch_size * fed, batch_size * (arm.k + 1))
-            spec += batch_size * self.draft_seconds(bucket, arm)
+            spec += self.draft_seconds(arm, batch_size)
             best = max(best, tau * plain / spec if spec > 0 else float("inf"))
         return best
 
-    def draft_seconds(self, bucket: int, arm: Arm) -> float:
-        """Drafting time per sequence of ``arm`` at this batch-size bucket.
-
-        Measured where known; else taken from the nearest measured bucket assuming the whole
-        propose call costs the same (per sequence ×2 per bucket down, ÷2 per bucket up); 0 when
-        ``arm`` was never measured.
-        """
-        v = self._draft.get((bucket, arm))
-        if v is not None:
-            return v.value
-        known = [b for (b, a) in self._draft if a == arm]
-        if not known:
-            return 0.0
-        near = min(known, key=lambda b: (abs(b - bucket), b))
-        return self._draft[near, arm].value * 2.0 ** (near - bucket)
+    def draft_seconds(self, arm: Arm, batch_size: int) -> float:
+        """Predicted time of one ``propose`` call in which ``batch_size`` sequences all draft
+        ``arm.k`` tokens with ``arm.proposer`` (0 before its first call)."""
+        return self.draft_cost[arm.proposer].predict(batch_size * arm.k, arm.k)
 
     def plan(self, batch_size: int) -> list[Arm] | None:
-        """An arm per sequence for a speculative step, or None for a plain step.
+        """The arm of every sequence for a speculative step, or None for a plain step.
+
+        One decision per step, shared by its sequences: a step that mixes arms pays every extra
+        proposer's per-call cost and the longest chain (and, with a padding kernel, the longest
+        k + 1 rows) for the whole batch, which per-sequence exploration would incur nearly every
+        step at a large batch.  (The engine still reports acceptance per request and per
+        proposer.)
 
         Probes keep both sides of the comparison measured.  While the gate is off, one step in
         ``max(1, (1 − S)/h) / probe`` speculates anyway (acceptance estimates stay fresh: a new
@@ -346,26 +382,27 @@ class SpecController:
                     return self._plain()
         self._plain_run = 0
         self.spec_steps += 1
-        bucket = batch_bucket(batch_size)
-        arms = [self.bandit.choose(bucket) for _ in range(batch_size)]
-        for a in arms:
-            self.selections[str(a)] += 1
-        return arms
+        arm = self.bandit.choose(batch_bucket(batch_size))
+        self.selections[str(arm)] += batch_size
+        return [arm] * batch_size
 
     def _plain(self) -> None:
         self._spec_run = 0
         self.plain_steps += 1
         return None
 
-    def record(
-        self, batch_size: int, arm: Arm, k_used: int, emitted: int, draft_seconds: float = 0.0
-    ) -> None:
-        """One sequence's verification under ``arm``: it drafted ``k_used`` tokens (its share of
-        the proposer's time was ``draft_seconds``) and emitted ``emitted`` tokens."""
+    def record_draft(self, proposer: str, tokens: int, chain: int, seconds: float) -> None:
+        """One ``propose`` call of ``proposer``: ``tokens`` asked in all (Σ caps), ``chain`` the
+        longest cap, taking ``seconds``."""
+        self.draft_cost[proposer].observe(tokens, chain, seconds)
+
+    def record(self, batch_size: int, arm: Arm, k_used: int, emitted: int) -> None:
+        """One sequence's verification under ``arm``: it drafted ``k_used`` tokens and emitted
+        ``emitted``.  Its cost share counts drafting as if the whole batch used ``arm``."""
         bucket = batch_bucket(batch_size)
-        self._draft.setdefault((bucket, arm), RunningMean()).add(draft_seconds)
         a, b, c = self.cost.coefficients()
-        share = a / batch_size + b * (k_used + 1) + c * (arm.k + 1) + draft_seconds
+        share = a / batch_size + b * (k_used + 1) + c * (arm.k + 1)
+        share += self.draft_seconds(arm, batch_size) / batch_size
         reward = emitted / share if share > 0 else float(emitted)
         self.bandit.update(bucket, arm, reward)
         shape = self._shape[arm]
@@ -389,6 +426,16 @@ class SpecController:
                 "b_s_per_token": b,
                 "c_s_per_padded_row": c,
                 "points": self.cost.num_observations,
+            },
+            "draft_cost": {
+                name: {
+                    "a_s": da,
+                    "b_s_per_token": db,
+                    "c_s_per_chain_position": dc,
+                    "points": model.num_observations,
+                }
+                for name, model in self.draft_cost.items()
+                for da, db, dc in [model.coefficients()]
             },
             "selections": {k: v for k, v in self.selections.items() if v},
         }

@@ -438,6 +438,7 @@ class RingAttention(torch.autograd.Function):
                 dk_b = dk_b.new_zeros(k.shape, dtype=dt).index_copy_(0, spec.kv_rows, dk_b.to(dt))
                 dv_b = dv_b.new_zeros(v.shape, dtype=dt).index_copy_(0, spec.kv_rows, dv_b.to(dt))
             grads.add(dk_b, dv_b)  # [T, Hkv, D] each
+            del dk_b, dv_b  # sent or added: not kept alive through the next block
         dk, dv = grads.result()
         d_branch = branch_grads(dout, q, branch, out, lse, dq, scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, *d_branch
