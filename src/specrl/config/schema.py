@@ -147,7 +147,8 @@ class SpeculationConfig:
     """Speculative decoding of rollouts."""
 
     proposers: list[str] = doc(
-        factory=lambda: ["eagle3", "ngram"], help="Drafters the bandit chooses from per request."
+        factory=lambda: ["eagle3", "ngram"],
+        help="Drafters the bandit chooses from at each decode step.",
     )
     max_k: int = doc(4, "Longest draft per verification.")
     gate: bool = doc(True, "Gate speculation by batch size from the online cost model.")

@@ -6,7 +6,7 @@
 1. admit waiting sequences into free KV-cache slots (continuous batching: a finished sequence
    frees its slot at once);
 2. decide speculation for the running batch (:class:`~specrl.rollout.gating.SpecController`:
-   batch-size gate, then a drafter and k per sequence) and collect drafts from the proposers;
+   batch-size gate, then the step's drafter and k) and collect drafts from the proposers;
 3. one packed **prefill** forward for all newly admitted prompts (the samples of one request
    share it: their slots get a copy of the prompt's KV), and one packed **verification**
    forward for the running sequences, each bringing ``[last token, d_1..d_k]`` with its own k
@@ -745,17 +745,16 @@ class RolloutEngine:
         )
 
     def _learn(self, launch: _Launch, host: dict[str, list]) -> None:
-        """Feed the drafting cost models, then the bandit: one reward per sequence that was
-        allowed to draft."""
+        """Feed the drafting cost models, then the acceptance estimates: one verification per
+        sequence that was allowed to draft."""
         for call in launch.draft_calls:
             self.controller.record_draft(*call)
-        batch = len(launch.seqs)
         for b, arm in enumerate(launch.arms):
             if arm is None or launch.caps[b] <= 0:
                 continue
             k_used = launch.num_rows[b] - 1
             emitted = host["num_accepted"][b] + 1
-            self.controller.record(batch, arm, k_used, emitted)
+            self.controller.record(arm, k_used, emitted)
 
     # ---------------------------------------------------------------------- weights, stats
     @property

@@ -16,14 +16,14 @@ small pieces decide, all online, all deterministic given a seed and the measured
   forward per position for the whole batch, so most of its cost is per call and per position,
   not per sequence.  Zero before the first call (optimistic).
 - :class:`EpsilonGreedy`: per decode step, which arm (proposer, k) every request in it drafts
-  with, bucketed by batch size (buckets 1, 2–3, 4–7, …); ε-greedy (TLT's choice, ε = 0.1) whose
-  exploration skips clearly worse arms most of the time, so it costs ≤ ε·gap on average.
-  Reward of one verification = tokens emitted / its share of the step cost, a/B + b·(k_used + 1)
-  + c·(k + 1) + d(B·k, k)/B, with d the proposer's drafting time for a call in which the whole
-  batch drafts k tokens: each arm is charged what it costs once exploited, not what a step that
-  explored it with few sequences happened to pay.  So a long k wins in the latency-bound tail, a
-  short one (or none, via the gate) in a full batch, and an expensive drafter only where its
-  acceptance pays for it.
+  with; ε-greedy (TLT's choice, ε = 0.1) whose exploration skips clearly worse arms most of the
+  time, so it costs ≤ ε·gap on average.  An arm's value at batch size B is the throughput it
+  would give the whole batch, B·τ̂ / (t(B·f̂, B·(k + 1)) + d(B·k, k)): τ̂ tokens emitted and f̂
+  fed per verification, learned per arm over all batch sizes (acceptance does not depend on B),
+  and d the proposer's drafting time for a call in which the whole batch drafts k tokens — so
+  each arm is charged what it costs once exploited, not what a step that explored it happened
+  to pay.  A long k wins in the latency-bound tail, a short one (or none, via the gate) in a
+  full batch, and an expensive drafter only where its acceptance pays for it.
 - :class:`SpeculationGate`: speculation on or off for the step, from the expected speedup
   S(B) = max over arms of τ̂·t(B, B) / (t(B·f̂, B·(k + 1)) + d(B·k, k)) (τ̂ tokens emitted and f̂
   fed per verification, d the proposer's drafting time) with hysteresis: off below 1, on again
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -51,11 +51,6 @@ class Arm:
 
     def __str__(self) -> str:
         return f"{self.proposer}/k={self.k}"
-
-
-def batch_bucket(batch_size: int) -> int:
-    """Power-of-two bucket of a batch size: 1 → 0, 2–3 → 1, 4–7 → 2, …"""
-    return max(batch_size, 1).bit_length() - 1
 
 
 def k_choices(max_k: int) -> tuple[int, ...]:
@@ -203,13 +198,13 @@ class RunningMean:
 
 
 class EpsilonGreedy:
-    """ε-greedy over arms, one value table per batch-size bucket, with exploration whose
+    """ε-greedy choice among arms whose values the caller estimates, with exploration whose
     expected cost is bounded.
 
-    Arms with fewer than ``min_samples`` rewards in a bucket go first (round-robin): one
-    verification's reward is noisy (1 … k + 1 tokens emitted), and a single unlucky first draw
+    Arms with fewer than ``min_samples`` observations go first (round-robin): one
+    verification's outcome is noisy (1 … k + 1 tokens emitted), and a single unlucky first draw
     would otherwise leave the best arm behind a worse one until exploration happens to revisit
-    it often enough to repair the mean.
+    it often enough to repair its estimate.
 
     Then, with probability ε, a uniformly drawn arm j is explored — if its value is within
     ``gap`` (relative) of the best, always; else only with probability gap/g_j, g_j = 1 − v_j/v*.
@@ -239,34 +234,22 @@ class EpsilonGreedy:
         self.min_samples = min_samples
         self.gap = gap
         self._rng = random.Random(seed)
-        self._values: dict[tuple[int, Arm], RunningMean] = {}
         self._turn = -1
 
-    def choose(self, bucket: int) -> Arm:
-        m = self.min_samples
-        young = [
-            arm
-            for arm in self.arms
-            if (v := self._values.get((bucket, arm))) is None or v.count < m
-        ]
+    def choose(self, values: Mapping[Arm, float], samples: Mapping[Arm, int]) -> Arm:
+        """The arm to play given each arm's estimated value and number of observations."""
+        young = [arm for arm in self.arms if samples.get(arm, 0) < self.min_samples]
         if young:  # round-robin
             self._turn += 1
             return young[self._turn % len(young)]
-        best = max(self.arms, key=lambda arm: self._values[bucket, arm].value)
+        best = max(self.arms, key=lambda arm: values[arm])
         if self._rng.random() < self.epsilon:
             arm = self.arms[self._rng.randrange(len(self.arms))]
-            top = self._values[bucket, best].value
-            shortfall = 1.0 - self._values[bucket, arm].value / top if top > 0 else 0.0
+            top = values[best]
+            shortfall = 1.0 - values[arm] / top if top > 0 else 0.0
             if shortfall <= self.gap or self._rng.random() * shortfall < self.gap:
                 return arm
         return best
-
-    def update(self, bucket: int, arm: Arm, reward: float) -> None:
-        self._values.setdefault((bucket, arm), RunningMean()).add(reward)
-
-    def value(self, bucket: int, arm: Arm) -> float | None:
-        v = self._values.get((bucket, arm))
-        return None if v is None else v.value
 
 
 class SpeculationGate:
@@ -299,8 +282,18 @@ class _ArmShape:
     fed: RunningMean  # tokens fed, k_used + 1
 
 
+ARM_MEMORY = 128  # verifications an arm's acceptance estimate averages over (then an EMA)
+
+
 class SpecController:
-    """The engine's speculation policy: gate the step, pick an arm per sequence, learn."""
+    """The engine's speculation policy: gate the step, pick its arm, learn.
+
+    The bandit's value of an arm at batch size B is the throughput it would give if the whole
+    batch drafted with it, B·τ̂ / (t(B·f̂, B·(k + 1)) + d(B·k, k)): acceptance (τ̂, f̂) is learned
+    per arm from every verification whatever the batch size (it does not depend on B), the cost
+    comes from the fitted models.  So every batch size benefits from what any other measured,
+    and the gate and the bandit agree on one estimate.
+    """
 
     def __init__(
         self,
@@ -325,24 +318,28 @@ class SpecController:
         self.spec_steps = 0
         self.plain_steps = 0
         self.selections: dict[str, int] = {str(a): 0 for a in self.arms}
-        self._shape = {a: _ArmShape(RunningMean(), RunningMean()) for a in self.arms}
+        rate = 1.0 / ARM_MEMORY
+        self._shape = {a: _ArmShape(RunningMean(rate), RunningMean(rate)) for a in self.arms}
         self.draft_cost = {p: DraftCost(cost_window) for p in proposers}
 
+    def expected_rate(self, batch_size: int, arm: Arm) -> float:
+        """Tokens per second if all ``batch_size`` sequences draft with ``arm``:
+        B·τ̂ / (t(B·f̂, B·(k+1)) + d(B·k, k)), τ̂ tokens emitted and f̂ fed per verification (an
+        untried arm counts as fully accepted), d the proposer's drafting time."""
+        shape = self._shape[arm]
+        if shape.emitted.count:
+            tau, fed = shape.emitted.value, shape.fed.value
+        else:
+            tau = fed = arm.k + 1.0
+        spec = self.cost.predict(batch_size * fed, batch_size * (arm.k + 1))
+        spec += self.draft_seconds(arm, batch_size)
+        return batch_size * tau / spec if spec > 0 else float("inf")
+
     def expected_speedup(self, batch_size: int) -> float:
-        """max over arms of τ̂·t(B, B) / (t(B·f̂, B·(k+1)) + d(B·k, k)): τ̂ tokens emitted and
-        f̂ fed per verification, d the proposer's drafting time when the whole batch drafts k;
-        untried arms count as fully accepted."""
+        """The best arm's expected rate over plain decoding's, B / t(B, B)."""
         plain = self.cost.predict(batch_size, batch_size)
-        best = 0.0
-        for arm, shape in self._shape.items():
-            if shape.emitted.count:
-                tau, fed = shape.emitted.value, shape.fed.value
-            else:
-                tau = fed = arm.k + 1.0
-            spec = self.cost.predict(batch_size * fed, batch_size * (arm.k + 1))
-            spec += self.draft_seconds(arm, batch_size)
-            best = max(best, tau * plain / spec if spec > 0 else float("inf"))
-        return best
+        best = max(self.expected_rate(batch_size, arm) for arm in self.arms)
+        return best * plain / batch_size
 
     def draft_seconds(self, arm: Arm, batch_size: int) -> float:
         """Predicted time of one ``propose`` call in which ``batch_size`` sequences all draft
@@ -382,7 +379,10 @@ class SpecController:
                     return self._plain()
         self._plain_run = 0
         self.spec_steps += 1
-        arm = self.bandit.choose(batch_bucket(batch_size))
+        arm = self.bandit.choose(
+            {a: self.expected_rate(batch_size, a) for a in self.arms},
+            {a: shape.emitted.count for a, shape in self._shape.items()},
+        )
         self.selections[str(arm)] += batch_size
         return [arm] * batch_size
 
@@ -396,15 +396,9 @@ class SpecController:
         longest cap, taking ``seconds``."""
         self.draft_cost[proposer].observe(tokens, chain, seconds)
 
-    def record(self, batch_size: int, arm: Arm, k_used: int, emitted: int) -> None:
+    def record(self, arm: Arm, k_used: int, emitted: int) -> None:
         """One sequence's verification under ``arm``: it drafted ``k_used`` tokens and emitted
-        ``emitted``.  Its cost share counts drafting as if the whole batch used ``arm``."""
-        bucket = batch_bucket(batch_size)
-        a, b, c = self.cost.coefficients()
-        share = a / batch_size + b * (k_used + 1) + c * (arm.k + 1)
-        share += self.draft_seconds(arm, batch_size) / batch_size
-        reward = emitted / share if share > 0 else float(emitted)
-        self.bandit.update(bucket, arm, reward)
+        ``emitted``."""
         shape = self._shape[arm]
         shape.emitted.add(emitted)
         shape.fed.add(k_used + 1)

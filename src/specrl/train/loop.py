@@ -3,8 +3,9 @@
 One step (DESIGN.md "The job, end to end"):
 
 1. **rollout** — ``prompts_per_step`` prompts × ``n`` samples through the speculative engine
-   (drafters chosen per request by the bandit; lossless verification), with per-sample seeds
-   derived from (seed, step, prompt), so sampling does not depend on batch composition;
+   (drafter and k chosen each decode step by the bandit; lossless verification), with
+   per-sample seeds derived from (seed, step, prompt), so sampling does not depend on batch
+   composition;
 2. **rewards** from the task's verifier, **group advantages** (GRPO; DAPO dynamic sampling);
 3. **policy update** per minibatch from one packed forward that also yields the draft's taps and
    teacher logits (no extra target forward for the draft); PPO-clipped objective with
