@@ -2,13 +2,12 @@
 
 Not a feature yet — a measurement for the next step on issue 6's "specrl plain ≥ 1.5×
 ``transformers``" target.  For each batch size B, one plain-decoding engine per mode decodes
-max(B, 8) addition prompts (sampled, T = 1, ≤ 64 tokens) after two warm-up runs on other prompts;
-the compiled engine's target is ``torch.compile(model, dynamic=True)``.  Reported per B: warm-up
-wall seconds (compilation included), tokens/s over three measured runs (thread CPU time, one
-torch thread), how many graphs dynamo compiled and whether it hit its recompile limit, and
-whether both engines produced the same tokens.  ``graphs_after_warmup`` counts graphs compiled
-during the measured runs (their compilation is in the measured time: the engine is not yet
-shape-stable).
+max(B, 8) addition prompts (sampled, T = 1, ≤ 64 tokens) after ``--warmup`` runs (default 2)
+on other prompts; the compiled engine's target is ``torch.compile(model, dynamic=True)``.
+Reported per B: warm-up wall seconds (compilation included), tokens/s over three measured runs
+(thread CPU time, one torch thread), how many graphs dynamo compiled in all and during the
+measured runs (``graphs_after_warmup``: their compilation is in the measured time, the engine's
+steps are not yet shape-stable), and whether both engines produced the same tokens.
 
     python benchmarks/compile_probe.py --target runs/toy/target
 
@@ -38,7 +37,9 @@ def prompt_set(codec: TextCodec, count: int, seed: int) -> list[list[int]]:
     return [codec.encode_prompt(p.prompt) for p in problems]
 
 
-def measure(model, codec: TextCodec, batch: int, compiled: bool, max_tokens: int) -> dict:
+def measure(
+    model, codec: TextCodec, batch: int, compiled: bool, max_tokens: int, warmup: int
+) -> dict:
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -57,7 +58,7 @@ def measure(model, codec: TextCodec, batch: int, compiled: bool, max_tokens: int
         return [r.tokens for r in engine.generate(reqs)]
 
     t0 = time.perf_counter()
-    for w in range(2):
+    for w in range(warmup):
         run(10_000 + w)
     warm = time.perf_counter() - t0
     warm_graphs = int(counters["stats"]["unique_graphs"])
@@ -84,6 +85,7 @@ def main() -> None:
     ap.add_argument("--target", type=Path, default=Path("runs/toy/target"))
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up runs before measuring")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/compile_probe.json"))
     args = ap.parse_args()
     if not (args.target / "config.json").is_file():
@@ -94,8 +96,8 @@ def main() -> None:
     codec = TextCodec(load_tokenizer(args.target), cfg.bos_token_id, cfg.eos_token_id)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
-        eager = measure(model, codec, batch, False, args.max_tokens)
-        comp = measure(model, codec, batch, True, args.max_tokens)
+        eager = measure(model, codec, batch, False, args.max_tokens, args.warmup)
+        comp = measure(model, codec, batch, True, args.max_tokens, args.warmup)
         same = eager.pop("outputs") == comp.pop("outputs")
         for r in (eager, comp):
             rows.append({**r, "same_tokens": same})
