@@ -19,6 +19,7 @@ from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 from specrl.rollout.gating import (
     Arm,
     CostModel,
+    DraftCost,
     EpsilonGreedy,
     SpecController,
     SpeculationGate,
@@ -75,6 +76,18 @@ def test_cost_model_window_forgets_old_steps():
         cm.observe(t, t, 0.005)
     assert cm.num_observations == 4
     assert cm.coefficients() == pytest.approx((0.005, 0.0, 0.0), abs=1e-12)
+
+
+def test_draft_cost_fits_per_call_chain_and_token_costs():
+    """A chain drafter: 1 ms per call, 2 ms per chain position, 0.05 ms per drafted token; the
+    fit recovers them from calls of mixed batch sizes and caps, and predicts a full batch."""
+    dc = DraftCost(window=64)
+    assert dc.predict(128, 4) == 0.0  # never called: free (optimistic)
+    calls = [(3, 4), (32, 4), (8, 2), (1, 1), (16, 4), (32, 1), (5, 2)]  # (sequences, cap)
+    for n, cap in calls:
+        dc.observe(n * cap, cap, 0.001 + 0.002 * cap + 0.00005 * n * cap)
+    assert dc.coefficients() == pytest.approx((0.001, 0.00005, 0.002))
+    assert dc.predict(32 * 4, 4) == pytest.approx(0.001 + 0.008 + 0.0064)
 
 
 def test_k_choices():
