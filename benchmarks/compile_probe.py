@@ -9,7 +9,7 @@ Reported per B: warm-up wall seconds (compilation included), tokens/s over three
 measured runs (``graphs_after_warmup``: their compilation is in the measured time, the engine's
 steps are not yet shape-stable), and whether both engines produced the same tokens.
 
-    python benchmarks/compile_probe.py --target runs/toy/target
+    python -m benchmarks.compile_probe --target runs/toy/target
 
 Writes ``benchmarks/results/compile_probe.json``.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import shlex
 import sys
 import time
@@ -26,15 +25,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.rollout import prompt_set
 from specrl.models.checkpoint import load_model, load_tokenizer
 from specrl.models.tokenizer import TextCodec
-from specrl.rl.tasks import AdditionTask
 from specrl.rollout import Request, RolloutEngine, SamplingParams
-
-
-def prompt_set(codec: TextCodec, count: int, seed: int) -> list[list[int]]:
-    problems = AdditionTask().sample(random.Random(seed), count)
-    return [codec.encode_prompt(p.prompt) for p in problems]
 
 
 def measure(
@@ -115,7 +109,7 @@ def main() -> None:
         table.add_row(*(str(r.get(c, "-")) for c in (*cols, "same_tokens")))
     Console(width=140).print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = shlex.join(["python", "benchmarks/compile_probe.py", *sys.argv[1:]])
+    cmd = shlex.join(["python", "-m", "benchmarks.compile_probe", *sys.argv[1:]])
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps({"command": cmd, "torch": torch.__version__, "rows": rows}, indent=2))
     tmp.replace(args.out)

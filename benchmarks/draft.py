@@ -11,8 +11,8 @@ K = 7 steps through the dense reference (materializes [H, S, S+K·S] scores per 
 and through the efficient path (``core.attention.ttt``: causal blocks merged with closed-form
 branch terms: linear), measured from the allocator's event stream (benchmarks/memory.py).
 
-    python benchmarks/draft.py            # table + benchmarks/results/draft.json
-    python benchmarks/draft.py --quick
+    python -m benchmarks.draft            # table + benchmarks/results/draft.json
+    python -m benchmarks.draft --quick
 """
 
 from __future__ import annotations

@@ -30,16 +30,10 @@ TOY_PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=4,
         num_key_value_heads=2,
     ),
-    # toy-small's width at 4× its depth: one draft layer weighs a quarter as much against the
-    # target (benchmarks of speculation, where the draft/target cost ratio decides)
-    "toy-deep": dict(
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=16,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
 }
+# toy-small's width at 4× its depth: one draft layer weighs a quarter as much against the target
+# (benchmarks of speculation, where the draft/target cost ratio decides)
+TOY_PRESETS["toy-deep"] = {**TOY_PRESETS["toy-small"], "num_hidden_layers": 16}
 
 LARGE_PRESETS: dict[str, dict[str, Any]] = {
     "llama-8b": dict(

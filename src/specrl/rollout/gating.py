@@ -335,11 +335,12 @@ class SpecController:
         spec += self.draft_seconds(arm, batch_size)
         return batch_size * tau / spec if spec > 0 else float("inf")
 
-    def expected_speedup(self, batch_size: int) -> float:
-        """The best arm's expected rate over plain decoding's, B / t(B, B)."""
-        plain = self.cost.predict(batch_size, batch_size)
-        best = max(self.expected_rate(batch_size, arm) for arm in self.arms)
-        return best * plain / batch_size
+    def expected_speedup(self, batch_size: int, rates: Mapping[Arm, float] | None = None) -> float:
+        """The best arm's expected rate over plain decoding's, B / t(B, B) (``rates``: the
+        arms' :meth:`expected_rate` at this batch size, when already computed)."""
+        if rates is None:
+            rates = {arm: self.expected_rate(batch_size, arm) for arm in self.arms}
+        return max(rates.values()) * self.cost.predict(batch_size, batch_size) / batch_size
 
     def draft_seconds(self, arm: Arm, batch_size: int) -> float:
         """Predicted time of one ``propose`` call in which ``batch_size`` sequences all draft
@@ -365,8 +366,9 @@ class SpecController:
         if self.bandit is None:
             self.plain_steps += 1
             return None
+        rates = {arm: self.expected_rate(batch_size, arm) for arm in self.arms}
         if self.gating:
-            speedup = self.expected_speedup(batch_size)
+            speedup = self.expected_speedup(batch_size, rates)
             h = max(self.gate.hysteresis, 1e-9)
             if self.gate.decide(speedup):
                 self._spec_run += 1
@@ -379,10 +381,8 @@ class SpecController:
                     return self._plain()
         self._plain_run = 0
         self.spec_steps += 1
-        arm = self.bandit.choose(
-            {a: self.expected_rate(batch_size, a) for a in self.arms},
-            {a: shape.emitted.count for a, shape in self._shape.items()},
-        )
+        samples = {arm: shape.emitted.count for arm, shape in self._shape.items()}
+        arm = self.bandit.choose(rates, samples)
         self.selections[str(arm)] += batch_size
         return [arm] * batch_size
 
