@@ -88,3 +88,63 @@ def test_policy_update_reaches_the_shared_embedding():
     engine.update_weights(policy=new)
     emb = engine.proposers["eagle3"].draft.embed_tokens.weight
     assert torch.equal(emb, engine.model.model.embed_tokens.weight)
+
+
+def _drafts_per_sequence(engine, requests):
+    """Run ``requests``; per request id, each eagle3 draft and the draft state it started from
+    (the pre-norm hidden at the last committed position, after catching up)."""
+    prop = engine.proposers["eagle3"]
+    inner = prop.propose
+    seen: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
+
+    def recording(batch, ks):
+        out = inner(batch, ks)
+        for seq, d in zip(batch, out, strict=True):
+            h = prop._state[seq.seq_id].h_last.clone()
+            seen.setdefault(seq.request_id, []).append((d.tokens, h))
+        return out
+
+    prop.propose = recording
+    engine.generate(requests)
+    return seen
+
+
+@pytest.mark.parametrize("with_move", [True, False], ids=["move", "no-move-control"])
+def test_slot_compaction_moves_the_draft_cache(with_move):
+    """Sequences that change slots draft exactly as when decoded alone (k = 1, float64);
+    the control (state left behind in the old slot) shows the check has power."""
+    target, draft = make_pair()
+    lengths = [3, 16, 16, 16, 16]
+    requests = [
+        Request(p, greedy(n), request_id=f"r{i}")
+        for i, (p, n) in enumerate(zip(PROMPTS, lengths, strict=True))
+    ]
+    alone = {}
+    for r in requests:
+        solo = make_engine(target, max_batch_size=1, spec=spec_with(draft, "eagle3", k=1))
+        alone.update(_drafts_per_sequence(solo, [r]))
+    engine = make_engine(target, max_batch_size=3, spec=spec_with(draft, "eagle3", k=1))
+    prop = engine.proposers["eagle3"]
+    moved = []
+    inner_move = prop.move
+
+    def move(moves):
+        moved.extend((s.request_id, s.slot, slot) for s, slot in moves)
+        if with_move:
+            inner_move(moves)
+
+    prop.move = move
+    together = _drafts_per_sequence(engine, requests)
+    assert ("r2", 2, 0) in moved  # r0 finished first: r2 left slot 2 for slot 0
+    assert together.keys() == alone.keys()
+    gap = 0.0
+    for rid, steps in together.items():
+        assert len(steps) == len(alone[rid])
+        for (tokens, h), (tokens_alone, h_alone) in zip(steps, alone[rid], strict=True):
+            gap = max(gap, (h - h_alone).abs().max().item())
+            if with_move:
+                assert tokens == tokens_alone
+    if with_move:
+        assert gap <= 1e-10
+    else:
+        assert gap > 1e-4

@@ -476,8 +476,18 @@ def test_continuous_batching_reuses_slots_under_load():
     prompts = [list(p) for p in itertools.islice(itertools.cycle(PROMPTS), 11)]
     engine = make_engine(model, max_batch_size=3, spec=SpecConfig(max_k=2))
     lengths = [SamplingParams(max_tokens=m, temperature=0) for m in (3, 9, 17)]
-    out = engine.generate([Request(p, lengths[i % 3]) for i, p in enumerate(prompts)])
-    for i, r in enumerate(out):
+    reqs = [Request(p, lengths[i % 3], request_id=str(i)) for i, p in enumerate(prompts)]
+    engine.add_requests(reqs)
+    out, slot_of, moves = {}, {}, 0
+    while engine.has_unfinished():
+        out.update({int(r.request_id): r for r in engine.step()})
+        running = engine._running
+        # slots stay compact, in list order: decode steps slice the cache, never gather it
+        assert [s.slot for s in running] == list(range(len(running)))
+        moves += sum(slot_of.get(s.seq_id, s.slot) != s.slot for s in running)
+        slot_of = {s.seq_id: s.slot for s in running}
+    assert moves > 0
+    for i, r in sorted(out.items()):
         assert r.tokens == generate(model, [prompts[i]], lengths[i % 3].max_tokens)[0]
     s = engine.stats()
     assert s["finished"] == 11 and s["running"] == 0 and s["prefill_forwards"] > 3

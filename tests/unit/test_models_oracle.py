@@ -64,14 +64,16 @@ def family(request, tmp_path_factory):
     return request.param, hf, path
 
 
-def test_logits_match_transformers(family):
+@pytest.mark.parametrize("fused", [False, True], ids=["module", "fused"])
+def test_logits_match_transformers(family, fused):
     name, hf, path = family
     ours = load_model(path)
     ids = torch.randint(0, 97, (3, 29), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits  # [3, 29, V]
         lens = [29, 29, 29]
-        got = ours(ids.reshape(-1), PackedLayout.from_lengths(lens)).logits.view(3, 29, -1)
+        out = ours(ids.reshape(-1), PackedLayout.from_lengths(lens), fused=fused)
+        got = out.logits.view(3, 29, -1)
     assert (got - ref).abs().max().item() <= 1e-5, name
 
 

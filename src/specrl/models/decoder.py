@@ -32,6 +32,7 @@ from torch import nn
 from specrl.core.attention import CacheView, CPContext, PackedLayout, attention
 from specrl.core.attention.kernels import cache_mask
 from specrl.models.config import ModelConfig
+from specrl.models.fused import FusedWeight
 
 
 class RMSNorm(nn.Module):
@@ -103,6 +104,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         # context-parallel ring of packed training forwards (zigzag-local ``layout``); None: local
         self.cp: CPContext | None = None
+        self._qkv_weight, self._qkv_bias = FusedWeight(), FusedWeight()
 
     def forward(
         self,
@@ -123,6 +125,32 @@ class Attention(nn.Module):
         o = attention(q, k, v, layout, cache=cache, backend=backend, window=self.window, cp=self.cp)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
+    def infer(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layout: PackedLayout,
+        cache: CacheView | None = None,
+        backend: str = "sdpa",
+    ) -> torch.Tensor:
+        """:meth:`forward` for inference: one fused q|k|v projection and one RoPE pass over q
+        and k (:mod:`specrl.models.fused`); same math, no autograd."""
+        t, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        qp, kp, vp = self.q_proj, self.k_proj, self.v_proj
+        weight = self._qkv_weight.get(qp.weight, kp.weight, vp.weight)
+        bias = None if qp.bias is None else self._qkv_bias.get(qp.bias, kp.bias, vp.bias)
+        heads = F.linear(x, weight, bias).view(t, hq + 2 * hkv, self.head_dim)
+        if self.q_norm is None:
+            qk = apply_rope(heads[:, : hq + hkv], cos, sin)
+            q, k = qk[:, :hq], qk[:, hq:]
+        else:  # per-head norms first (Qwen3), then RoPE on each
+            q = apply_rope(self.q_norm.forward(heads[:, :hq]), cos, sin)
+            k = apply_rope(self.k_norm.forward(heads[:, hq : hq + hkv]), cos, sin)
+        v = heads[:, hq + hkv :]
+        o = attention(q, k, v, layout, cache=cache, backend=backend, window=self.window, cp=self.cp)
+        return F.linear(o.reshape(t, hq * self.head_dim), self.o_proj.weight)
+
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
@@ -130,9 +158,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self._gate_up = FusedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def infer(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` with one fused gate|up projection (inference, no autograd)."""
+        gate, up = F.linear(x, self._gate_up.get(self.gate_proj.weight, self.up_proj.weight)).chunk(
+            2, dim=-1
+        )
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -146,6 +182,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, layout, cache=None, backend="sdpa"):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, cache, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def infer(self, x, cos, sin, layout, cache=None, backend="sdpa"):
+        """:meth:`forward` on the fused inference path, calling the submodules' code directly
+        (no module hooks: the engine's models are plain, unwrapped modules)."""
+        y = self.input_layernorm.forward(x)
+        x = x + self.self_attn.infer(y, cos, sin, layout, cache, backend)
+        return x + self.mlp.infer(self.post_attention_layernorm.forward(x))
 
 
 class DecoderBody(nn.Module):
@@ -291,7 +334,12 @@ class Transformer(nn.Module):
         cache: CacheBatch | None = None,
         logits: bool = True,
         logits_index: torch.Tensor | None = None,  # [N] rows of T to compute logits for
+        fused: bool = False,
     ) -> ModelOutput:
+        """``fused=True``: the inference path (:mod:`specrl.models.fused`: fused q|k|v and
+        gate|up projections, no module hooks); needs autograd off."""
+        if fused and torch.is_grad_enabled():
+            raise RuntimeError("the fused inference forward needs torch.no_grad()")
         h = self.embed(inputs) if inputs.dtype in (torch.int32, torch.int64) else inputs
         if cache is not None:  # new tokens continue their slot: positions follow the prefix
             positions = cache.prefix_lens[layout.seq_ids] + layout.token_offsets
@@ -305,7 +353,9 @@ class Transformer(nn.Module):
         tapped: dict[int, torch.Tensor] = {}
         for i in self.layer_ids:
             view = cache.view(i) if cache is not None else None
-            h = self.layer(i)(h, cos, sin, layout, view, self.attn_backend)
+            layer = self.layer(i)
+            run = layer.infer if fused else layer
+            h = run(h, cos, sin, layout, view, self.attn_backend)
             if i in want:
                 tapped[i] = h.detach()
         missing = want - set(tapped)

@@ -30,12 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specrl.core.attention import PackedLayout, attention, dense_attention
 from specrl.core.attention.ttt import CPContext, Mode, ttt_session
 from specrl.models.config import ModelConfig
 from specrl.models.decoder import MLP, CacheBatch, KVCache, RMSNorm, Rotary, apply_rope
+from specrl.models.fused import FusedWeight
 
 
 @dataclass
@@ -160,13 +162,23 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self._qkv_weight = FusedWeight()
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        if not torch.is_grad_enabled():  # inference: one fused projection, one RoPE pass
+            return self._fused_qkv(x, cos, sin)
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _fused_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        t, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        weight = self._qkv_weight.get(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        heads = F.linear(x, weight).view(t, hq + 2 * hkv, self.head_dim)
+        qk = apply_rope(heads[:, : hq + hkv], cos, sin)
+        return qk[:, :hq], qk[:, hq:], heads[:, hq + hkv :]
 
 
 class DraftLayer(nn.Module):
@@ -185,7 +197,8 @@ class DraftLayer(nn.Module):
         """Residual (the un-normed feature) + o_proj, then the MLP block → pre-norm h [T, H]."""
         t = attn_out.shape[0]
         h = feat + self.self_attn.o_proj(attn_out.reshape(t, -1))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        mlp = self.mlp if torch.is_grad_enabled() else self.mlp.infer  # fused gate|up
+        return h + mlp(self.post_attention_layernorm(h))
 
 
 @dataclass

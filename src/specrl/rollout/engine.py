@@ -22,6 +22,12 @@ cost model sees the target's decode share only.  The single host sync per step i
 a proposer that reads device values while drafting (eagle3 picks its tokens on the host) adds
 its own.
 
+Slots stay **compact**: after a step in which sequences finished, the sequences in the highest
+slots move (their K/V rows, and each proposer's per-slot state through ``move``) into the freed
+lower ones, and the running list is kept in slot order.  A decode step's sequences then hold slots
+0..B−1, so attention reads the cache as a slice instead of gathering B slots' K/V in every layer
+of every step; a move copies one sequence's K/V once.
+
 Rejected drafts leave stale K/V beyond a slot's committed length; attention never looks past a
 query's own position, and the next step overwrites them.  Invariant once prefilled:
 ``seq.kv_len == len(seq.tokens) - 1`` (the last emitted token is fed by the next step).
@@ -183,10 +189,15 @@ class RolloutEngine:
         seed: int = 0,
         clock: Callable[[], float] = time.perf_counter,
         eos_token_ids: Sequence[int] | None = None,
+        fused: bool = True,
     ) -> None:
+        """``fused``: run the target's inference path with fused q|k|v and gate|up projections
+        (:mod:`specrl.models.fused`; the copies cost those weights' memory once more), False for
+        the module forward."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be ≥ 1, got {max_batch_size}")
         self.model = model
+        self.fused = fused
         self.codec = codec
         self.device = model.device
         self.vocab_size = model.config.vocab_size
@@ -360,6 +371,8 @@ class RolloutEngine:
         finished: list[Result] = []
         for launch, values in zip(launches, host, strict=True):
             finished += self._apply(launch, values)
+        if finished:
+            self._compact()
         seconds = self.clock() - t0
         self._steps += 1
         self._seconds += seconds
@@ -372,6 +385,29 @@ class RolloutEngine:
             self.controller.record_step(sum(decode.num_rows), padded, target)
             self._learn(decode, host[-1])
         return finished
+
+    def _compact(self) -> None:
+        """Move the sequences in the highest slots into the holes finished ones left, so the
+        running sequences hold slots 0..n−1 (in list order)."""
+        n = len(self._running)
+        holes = sorted(slot for slot in self._free_slots if slot < n)
+        movers = sorted((s for s in self._running if s.slot >= n), key=lambda s: s.slot)
+        if movers:
+            moves = list(zip(movers, holes, strict=True))
+            for p in self.proposers.values():
+                move = getattr(p, "move", None)
+                if move is not None:
+                    move(moves)
+            src = torch.tensor([s.slot for s, _ in moves], device=self.device)
+            dst = torch.tensor(holes, device=self.device)
+            rows = max(s.kv_len for s in movers)
+            for kv in (self.cache.k, self.cache.v):
+                for layer in kv.values():
+                    layer[dst, :rows] = layer[src, :rows]
+            for seq, slot in moves:
+                seq.slot = slot
+        self._running.sort(key=lambda s: s.slot)
+        self._free_slots = list(range(self.max_batch_size - 1, n - 1, -1))
 
     def _admit(self) -> list[SeqState]:
         admitted = []
@@ -571,7 +607,12 @@ class RolloutEngine:
             full_rows=t["full_rows"],
         )
         out = self.model(
-            t["ids"], t["layout"], taps=self.tap_layers, cache=cache, logits_index=t["logits_index"]
+            t["ids"],
+            t["layout"],
+            taps=self.tap_layers,
+            cache=cache,
+            logits_index=t["logits_index"],
+            fused=self.fused,
         )
         if launch.prefill:
             self._share_prefix_kv(launch)

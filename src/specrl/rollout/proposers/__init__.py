@@ -18,6 +18,11 @@ Life of a sequence, as a proposer sees it (all calls come from the engine thread
 3. ``propose(batch, ks)``: draft at most ``ks[b]`` tokens continuing ``batch[b].tokens``.
 4. ``release(seq)``: the sequence finished (its slot is reused); free per-sequence state.
 
+Between steps the engine may **move** running sequences to other slots (it keeps the occupied
+slots compact).  A proposer with per-slot state (a KV cache indexed by ``seq.slot``) implements
+``move(moves)``: for each ``(seq, new_slot)`` copy that state from ``seq.slot`` (still the old
+slot during the call) to ``new_slot``.  Proposers without per-slot state need no ``move``.
+
 A :class:`Draft` with ``probs=None`` is one-hot (the verifier then needs no q); otherwise
 ``probs[i]`` is the full-vocabulary distribution ``tokens[i]`` was sampled from, already
 processed with the request's temperature/top-k/top-p if the proposer samples (the ratio test

@@ -65,6 +65,18 @@ class Eagle3Proposer:
     def release(self, seq: SeqState) -> None:
         self._state.pop(seq.seq_id, None)
 
+    def move(self, moves: list[tuple[SeqState, int]]) -> None:
+        """The engine moves sequences to other slots: copy their draft-cache main entries."""
+        states = [self._state[s.seq_id] for s, _ in moves if s.seq_id in self._state]
+        rows = max((st.main_len for st in states), default=0)
+        if rows == 0:
+            return
+        src = torch.tensor([s.slot for s, _ in moves], device=self.device)
+        dst = torch.tensor([slot for _, slot in moves], device=self.device)
+        for kv in (self.cache.k, self.cache.v):
+            for layer in kv.values():
+                layer[dst, :rows] = layer[src, :rows]
+
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         own = {k: v for k, v in self.draft.state_dict().items() if not k.startswith("embed")}
         given = {k: v for k, v in state.items() if not k.startswith("embed")}

@@ -1,0 +1,145 @@
+"""The fused inference path (q|k|v and gate|up as one projection each) and its weight copies."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specrl.core.attention import PackedLayout
+from specrl.models.decoder import CacheBatch, Transformer
+from specrl.models.draft import DraftConfig, Eagle3Draft, init_draft_weights
+from specrl.models.fused import invalidate
+from specrl.models.presets import preset_config
+
+VOCAB = 61
+
+
+def _model(**over) -> Transformer:
+    cfg = preset_config("toy-tiny", vocab_size=VOCAB, **over)
+    return Transformer(cfg).init_weights(3, std=0.2).double().eval()
+
+
+VARIANTS = {
+    "llama": {},
+    "bias-tied": {"attention_bias": True, "tie_word_embeddings": True},
+    "qk-norm-mha": {"qk_norm": True, "num_key_value_heads": 4},
+    "window": {"sliding_window": 3},
+}
+
+
+def _cached_run(model: Transformer, fused: bool) -> list[torch.Tensor]:
+    """Prefill then uneven chunks (as speculative verification feeds), slots out of order."""
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (9, 14, 4)]
+    cache = model.new_cache(num_slots=5, max_len=20)
+    slots = torch.tensor([4, 0, 2])
+    done, outs = [0, 0, 0], []
+    for chunk in ([3, 5, 1], [1, 1, 1], [4, 2, 2], [1, 6, 0]):
+        active = [i for i in range(3) if chunk[i] > 0]
+        ids = torch.cat([seqs[i][done[i] : done[i] + chunk[i]] for i in active])
+        cb = CacheBatch(
+            cache,
+            slots[active],
+            torch.tensor([done[i] for i in active]),
+            max(done[i] + chunk[i] for i in active),
+        )
+        layout = PackedLayout.from_lengths([chunk[i] for i in active])
+        out = model(ids, layout, cache=cb, taps=[0], fused=fused)
+        outs += [out.logits, out.taps[0]]
+        for i in active:
+            done[i] += chunk[i]
+    return outs
+
+
+@pytest.mark.parametrize("over", list(VARIANTS.values()), ids=list(VARIANTS))
+def test_fused_forward_equals_module_forward_fp64(over):
+    model = _model(**over)
+    lens = [1, 7, 3, 12]
+    ids = torch.randint(0, VOCAB, (sum(lens),), generator=torch.Generator().manual_seed(1))
+    layout = PackedLayout.from_lengths(lens)
+    with torch.no_grad():
+        ref = model(ids, layout, taps=[0, 1])
+        got = model(ids, layout, taps=[0, 1], fused=True)
+        torch.testing.assert_close(got.logits, ref.logits, rtol=0, atol=1e-12)
+        for layer in (0, 1):
+            torch.testing.assert_close(got.taps[layer], ref.taps[layer], rtol=0, atol=1e-12)
+        for a, b in zip(_cached_run(model, True), _cached_run(model, False), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_fused_forward_needs_no_grad():
+    model = _model()
+    with pytest.raises(RuntimeError, match="no_grad"):
+        model(torch.tensor([1, 2]), PackedLayout.from_lengths([2]), fused=True)
+
+
+def _logits(model: Transformer, fused: bool) -> torch.Tensor:
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    with torch.no_grad():
+        return model(ids, PackedLayout.from_lengths([8]), fused=fused).logits
+
+
+def _assert_fresh(model: Transformer) -> None:
+    torch.testing.assert_close(_logits(model, True), _logits(model, False), rtol=0, atol=1e-12)
+
+
+def test_fused_copies_follow_every_in_place_weight_change():
+    model = _model(attention_bias=True)
+    before = _logits(model, True)
+    layer = model.layer(0)
+    with torch.no_grad():  # in-place op on one projection of each fused group
+        layer.self_attn.k_proj.weight.mul_(1.5)
+        layer.mlp.up_proj.weight.add_(0.1)
+    assert not torch.allclose(_logits(model, True), before)
+    _assert_fresh(model)
+
+    with torch.no_grad():  # a bias alone
+        model.layer(1).self_attn.v_proj.bias.add_(0.3)
+    _assert_fresh(model)
+
+    other = _model(attention_bias=True)  # load_state_dict copies in place
+    other.init_weights(11, std=0.2)
+    model.load_state_dict(other.double().state_dict())
+    _assert_fresh(model)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)  # an optimizer step
+    loss = model(torch.tensor([1, 2, 3]), PackedLayout.from_lengths([3])).logits.square().mean()
+    loss.backward()
+    opt.step()
+    _assert_fresh(model)
+
+    fresh = copy.deepcopy(model)  # a copy rebuilds its own fused weights
+    with torch.no_grad():
+        fresh.layer(0).self_attn.q_proj.weight.zero_()
+    _assert_fresh(fresh)
+    _assert_fresh(model)
+
+
+def test_writes_through_data_need_invalidate():
+    """``.data`` bypasses version counters (documented contract): stale until invalidated."""
+    model = _model()
+    _logits(model, True)  # builds the fused copies
+    w = model.layer(0).mlp.gate_proj.weight
+    w.data = w.data * 2.0  # new storage, same parameter object
+    _assert_fresh(model)  # a new storage is seen
+    w.data.mul_(0.5)  # in-place through .data: the counter does not move
+    assert not torch.allclose(_logits(model, True), _logits(model, False))
+    invalidate(model)
+    _assert_fresh(model)
+
+
+def test_draft_inference_qkv_and_mlp_equal_the_training_path():
+    tcfg = preset_config("toy-tiny", vocab_size=VOCAB)
+    cfg = DraftConfig.for_target(tcfg, draft_vocab_size=40, tap_layers=(0, 0, 1))
+    draft = init_draft_weights(Eagle3Draft(cfg).double(), seed=2, std=0.2)
+    mid = draft.midlayer
+    x = torch.randn(5, 2 * cfg.hidden_size, dtype=torch.float64)
+    feat = torch.randn(5, cfg.hidden_size, dtype=torch.float64)
+    cos, sin = draft.rotary.cos_sin(torch.arange(5), torch.float64)
+    ref = [*mid.self_attn.qkv(x, cos, sin), mid.finish(feat, x[:, : cfg.hidden_size])]
+    with torch.no_grad():
+        got = [*mid.self_attn.qkv(x, cos, sin), mid.finish(feat, x[:, : cfg.hidden_size])]
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-12)
