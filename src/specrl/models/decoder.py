@@ -227,6 +227,18 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
 
+    def copy_slots(self, src: Sequence[int], dst: Sequence[int], rows: int) -> None:
+        """Copy the first ``rows`` positions of slots ``src[i]`` into slots ``dst[i]``, every
+        layer (a request's samples sharing its prompt, a sequence moving to another slot)."""
+        if not src or rows <= 0:
+            return
+        device = next(iter(self.k.values())).device
+        a = torch.tensor(list(src), dtype=torch.int64, device=device)
+        b = torch.tensor(list(dst), dtype=torch.int64, device=device)
+        for kv in (self.k, self.v):
+            for layer in kv.values():
+                layer[b, :rows] = layer[a, :rows]
+
 
 @dataclass
 class CacheBatch:

@@ -398,12 +398,8 @@ class RolloutEngine:
                 move = getattr(p, "move", None)
                 if move is not None:
                     move(moves)
-            src = torch.tensor([s.slot for s, _ in moves], device=self.device)
-            dst = torch.tensor(holes, device=self.device)
             rows = max(s.kv_len for s in movers)
-            for kv in (self.cache.k, self.cache.v):
-                for layer in kv.values():
-                    layer[dst, :rows] = layer[src, :rows]
+            self.cache.copy_slots([s.slot for s in movers], holes, rows)
             for seq, slot in moves:
                 seq.slot = slot
         self._running.sort(key=lambda s: s.slot)
@@ -645,14 +641,9 @@ class RolloutEngine:
             for s, f in zip(launch.seqs, launch.feeder, strict=True)
             if launch.fed[f] is not s
         ]
-        if not pairs:
-            return
-        src = torch.tensor([a for a, _ in pairs], device=self.device)
-        dst = torch.tensor([b for _, b in pairs], device=self.device)
-        n = max(len(s.tokens) for s in launch.seqs)
-        for kv in (self.cache.k, self.cache.v):
-            for layer in kv.values():
-                layer[dst, :n] = layer[src, :n]
+        if pairs:
+            rows = max(len(s.tokens) for s in launch.seqs)
+            self.cache.copy_slots([a for a, _ in pairs], [b for _, b in pairs], rows)
 
     def _read_back(self, launches: list[_Launch]) -> list[dict[str, list]]:
         parts = []

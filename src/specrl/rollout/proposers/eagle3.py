@@ -69,13 +69,7 @@ class Eagle3Proposer:
         """The engine moves sequences to other slots: copy their draft-cache main entries."""
         states = [self._state[s.seq_id] for s, _ in moves if s.seq_id in self._state]
         rows = max((st.main_len for st in states), default=0)
-        if rows == 0:
-            return
-        src = torch.tensor([s.slot for s, _ in moves], device=self.device)
-        dst = torch.tensor([slot for _, slot in moves], device=self.device)
-        for kv in (self.cache.k, self.cache.v):
-            for layer in kv.values():
-                layer[dst, :rows] = layer[src, :rows]
+        self.cache.copy_slots([s.slot for s, _ in moves], [slot for _, slot in moves], rows)
 
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         own = {k: v for k, v in self.draft.state_dict().items() if not k.startswith("embed")}
