@@ -138,8 +138,9 @@ def test_draft_inference_qkv_and_mlp_equal_the_training_path():
     x = torch.randn(5, 2 * cfg.hidden_size, dtype=torch.float64)
     feat = torch.randn(5, cfg.hidden_size, dtype=torch.float64)
     cos, sin = draft.rotary.cos_sin(torch.arange(5), torch.float64)
-    ref = [*mid.self_attn.qkv(x, cos, sin), mid.finish(feat, x[:, : cfg.hidden_size])]
+    out = x[:, : cfg.hidden_size]
     with torch.no_grad():
-        got = [*mid.self_attn.qkv(x, cos, sin), mid.finish(feat, x[:, : cfg.hidden_size])]
+        ref = [*mid.self_attn.qkv(x, cos, sin), mid.finish(feat, out)]
+        got = [*mid.self_attn.qkv(x, cos, sin, fused=True), mid.finish(feat, out, fused=True)]
     for a, b in zip(got, ref, strict=True):
-        torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-12)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

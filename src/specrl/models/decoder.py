@@ -85,6 +85,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
+def rope_heads(
+    heads: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused q|k|v projection [T, Hq + 2·Hkv, D] → (q, k, v), RoPE on q and k in one pass."""
+    qk = apply_rope(heads[:, : num_heads + num_kv_heads], cos, sin)
+    return qk[:, :num_heads], qk[:, num_heads:], heads[:, num_heads + num_kv_heads :]
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -142,12 +150,11 @@ class Attention(nn.Module):
         bias = None if qp.bias is None else self._qkv_bias.get(qp.bias, kp.bias, vp.bias)
         heads = F.linear(x, weight, bias).view(t, hq + 2 * hkv, self.head_dim)
         if self.q_norm is None:
-            qk = apply_rope(heads[:, : hq + hkv], cos, sin)
-            q, k = qk[:, :hq], qk[:, hq:]
+            q, k, v = rope_heads(heads, hq, hkv, cos, sin)
         else:  # per-head norms first (Qwen3), then RoPE on each
             q = apply_rope(self.q_norm.forward(heads[:, :hq]), cos, sin)
             k = apply_rope(self.k_norm.forward(heads[:, hq : hq + hkv]), cos, sin)
-        v = heads[:, hq + hkv :]
+            v = heads[:, hq + hkv :]
         o = attention(q, k, v, layout, cache=cache, backend=backend, window=self.window, cp=self.cp)
         return F.linear(o.reshape(t, hq * self.head_dim), self.o_proj.weight)
 

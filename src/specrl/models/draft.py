@@ -36,7 +36,15 @@ from torch import nn
 from specrl.core.attention import PackedLayout, attention, dense_attention
 from specrl.core.attention.ttt import CPContext, Mode, ttt_session
 from specrl.models.config import ModelConfig
-from specrl.models.decoder import MLP, CacheBatch, KVCache, RMSNorm, Rotary, apply_rope
+from specrl.models.decoder import (
+    MLP,
+    CacheBatch,
+    KVCache,
+    RMSNorm,
+    Rotary,
+    apply_rope,
+    rope_heads,
+)
 from specrl.models.fused import FusedWeight
 
 
@@ -164,21 +172,18 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self._qkv_weight = FusedWeight()
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        if not torch.is_grad_enabled():  # inference: one fused projection, one RoPE pass
-            return self._fused_qkv(x, cos, sin)
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False):
+        """q, k (RoPE applied), v; ``fused``: one q|k|v projection (inference, no autograd)."""
         t = x.shape[0]
+        if fused:
+            projs = (self.q_proj, self.k_proj, self.v_proj)
+            weight = self._qkv_weight.get(*(p.weight for p in projs))
+            heads = F.linear(x, weight).view(t, self.num_heads + 2 * self.num_kv_heads, -1)
+            return rope_heads(heads, self.num_heads, self.num_kv_heads, cos, sin)
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def _fused_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        t, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
-        weight = self._qkv_weight.get(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
-        heads = F.linear(x, weight).view(t, hq + 2 * hkv, self.head_dim)
-        qk = apply_rope(heads[:, : hq + hkv], cos, sin)
-        return qk[:, :hq], qk[:, hq:], heads[:, hq + hkv :]
 
 
 class DraftLayer(nn.Module):
@@ -193,11 +198,14 @@ class DraftLayer(nn.Module):
     def attn_input(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.input_layernorm(emb), self.hidden_norm(feat)], dim=-1)  # [T, 2H]
 
-    def finish(self, feat: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Residual (the un-normed feature) + o_proj, then the MLP block → pre-norm h [T, H]."""
+    def finish(
+        self, feat: torch.Tensor, attn_out: torch.Tensor, fused: bool = False
+    ) -> torch.Tensor:
+        """Residual (the un-normed feature) + o_proj, then the MLP block → pre-norm h [T, H];
+        ``fused``: one gate|up projection (inference, no autograd)."""
         t = attn_out.shape[0]
         h = feat + self.self_attn.o_proj(attn_out.reshape(t, -1))
-        mlp = self.mlp if torch.is_grad_enabled() else self.mlp.infer  # fused gate|up
+        mlp = self.mlp.infer if fused else self.mlp
         return h + mlp(self.post_attention_layernorm(h))
 
 
@@ -350,9 +358,10 @@ class Eagle3Draft(nn.Module):
             cache.mask = cache_mask(layout, cache.prefix_lens, cache.max_kv_len, None)
         cos, sin = self.rotary.cos_sin(positions, feat.dtype)
         x = layer.attn_input(self.embed_tokens(ids), feat)
-        q, k, v = layer.self_attn.qkv(x, cos, sin)
+        fused = not torch.is_grad_enabled()  # decoding is inference: fused projections
+        q, k, v = layer.self_attn.qkv(x, cos, sin, fused=fused)
         out = attention(q, k, v, layout, cache=cache.view(0))
-        return layer.finish(feat, out)
+        return layer.finish(feat, out, fused=fused)
 
 
 def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
