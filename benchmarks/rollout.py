@@ -9,6 +9,9 @@ size B (concurrent requests), every variant decodes the same prompts with the sa
 - ``specrl ngram``, ``specrl eagle3``: one proposer, the engine's default gate and bandit over k;
 - ``specrl best-of-N``: the bandit picks per request between ``eagle3`` and ``ngram`` (and k),
   behind the batch-size gate;
+- with ``--compile``, also ``specrl plain compiled`` and ``specrl best-of-N compiled``: the same
+  engines with ``RolloutEngine(compile=True)`` (the decode step under ``torch.compile``,
+  :mod:`specrl.rollout.compiled`; the drafts stay eager), compiled during the warm-up runs;
 - ``hf plain``: ``model.generate`` (greedy, or ``do_sample`` at T = 1 with top-k/top-p off);
 - ``hf prompt lookup``: assisted generation with ``prompt_lookup_num_tokens``; ``transformers``
   allows it at batch size 1 only ("assisted generate is only supported for batch_size = 1"), so
@@ -37,6 +40,7 @@ Greedy outputs are checked: every specrl variant must reproduce specrl plain tok
 
     python benchmarks/rollout.py --target runs/toy/target --draft runs/toy/draft
     python benchmarks/rollout.py --quick          # B = 1, 8, sampled only, 1 repeat
+    python benchmarks/rollout.py --compile        # plus the compiled plain and best-of-N
 
 Writes ``benchmarks/results/rollout.json`` and prints a Rich table plus the issue's targets.
 """
@@ -64,6 +68,7 @@ from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 
 MAX_K = 4
 SPECRL = ("specrl plain", "specrl ngram", "specrl eagle3", "specrl best-of-N")
+COMPILED = ("specrl plain compiled", "specrl best-of-N compiled")
 HF = ("hf plain", "hf prompt lookup")
 COLUMNS = (
     "mode", "batch", "variant", "tok_s", "vs_plain", "vs_hf", "tau", "acceptance",
@@ -71,14 +76,19 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def spec_configs(draft: Path) -> dict[str, SpecConfig | None]:
+def spec_configs(draft: Path, compiled: bool) -> dict[str, SpecConfig | None]:
+    """The specrl variants' speculation settings (names ending in "compiled" compile)."""
     eagle = {"eagle3": {"path": str(draft)}}
-    return {
+    best = SpecConfig(("eagle3", "ngram"), max_k=MAX_K, proposer_options=eagle)
+    specs = {
         "specrl plain": None,
         "specrl ngram": SpecConfig(("ngram",), max_k=MAX_K),
         "specrl eagle3": SpecConfig(("eagle3",), max_k=MAX_K, proposer_options=eagle),
-        "specrl best-of-N": SpecConfig(("eagle3", "ngram"), max_k=MAX_K, proposer_options=eagle),
+        "specrl best-of-N": best,
     }
+    if compiled:
+        specs.update(zip(COMPILED, (None, best), strict=True))
+    return specs
 
 
 def prompt_set(codec: TextCodec, count: int, seed: int) -> list[list[int]]:
@@ -187,12 +197,12 @@ def measure_batch(setup: Setup, batch: int, repeats: int) -> dict[str, list[dict
     engines = {
         name: RolloutEngine(
             setup.model, codec=setup.codec, max_batch_size=batch, spec=spec, seed=0,
-            clock=setup.clock,
+            clock=setup.clock, compile=name.endswith("compiled"),
         )
         for name, spec in setup.specs.items()
     }  # fmt: skip
     count = max(batch, 8)
-    names = [*SPECRL, *HF]
+    names = [*setup.specs, *HF]
     for w in range(2):  # warm-up on other prompts
         for name in names:
             prompts = prompt_set(setup.codec, count, 10_000 + 100 * batch + w)
@@ -247,12 +257,13 @@ def summarize(mode: str, batch: int, name: str, runs: list[dict], plain: list[di
 
 def run_mode(
     mode: str, batches: list[int], repeats: int, max_tokens: int, target: Path, draft: Path,
-    lookup: int, clock: Callable[[], float],
+    lookup: int, clock: Callable[[], float], compiled: bool,
 ) -> list[dict]:  # fmt: skip
     model = load_model(target).eval()
     codec = TextCodec(load_tokenizer(target), model.config.bos_token_id, model.config.eos_token_id)
     hf = HFRunner(target, codec.eos_id, model.config.pad_token_id or 0)
-    setup = Setup(mode, model, codec, hf, spec_configs(draft), max_tokens, lookup, clock)
+    specs = spec_configs(draft, compiled)
+    setup = Setup(mode, model, codec, hf, specs, max_tokens, lookup, clock)
     rows = []
     for batch in batches:
         samples = measure_batch(setup, batch, repeats)
@@ -287,19 +298,24 @@ def targets(rows: list[dict]) -> list[dict]:
 
     for mode in dict.fromkeys(r["mode"] for r in rows):
         batches = sorted({r["batch"] for r in rows if r["mode"] == mode})
-        get = {b: {v: runs[mode, b, v] for v in (*SPECRL, "hf plain")} for b in batches}
-        for b, need in ((1, 2.0), (32, 0.95)):
-            if b in batches:
-                ratio = paired_ratio(get[b]["specrl best-of-N"], get[b]["specrl plain"])
-                add(mode, f"best-of-N / plain at B={b}", ratio, need)
+        names = [v for v in (*SPECRL, *COMPILED) if (mode, batches[0], v) in runs]
+        get = {b: {v: runs[mode, b, v] for v in (*names, "hf plain")} for b in batches}
+        suffixes = ["", " compiled"] if COMPILED[0] in names else [""]
+        for suffix in suffixes:
+            for b, need in ((1, 2.0), (32, 0.95)):
+                if b in batches:
+                    bon = get[b][f"specrl best-of-N{suffix}"]
+                    ratio = paired_ratio(bon, get[b][f"specrl plain{suffix}"])
+                    add(mode, f"best-of-N{suffix} / plain{suffix} at B={b}", ratio, need)
         for b in batches:
             # the best single proposer by median throughput, then paired with best-of-N
             single = max(("specrl ngram", "specrl eagle3"), key=lambda v: tps[mode, b, v])
             ratio = paired_ratio(get[b]["specrl best-of-N"], get[b][single])
             add(mode, f"best-of-N / best single at B={b}", ratio, 0.95)
-        for b in batches:
-            ratio = paired_ratio(get[b]["specrl plain"], get[b]["hf plain"])
-            add(mode, f"specrl plain / hf plain at B={b}", ratio, 1.5)
+        for suffix in suffixes:
+            for b in batches:
+                ratio = paired_ratio(get[b][f"specrl plain{suffix}"], get[b]["hf plain"])
+                add(mode, f"specrl plain{suffix} / hf plain at B={b}", ratio, 1.5)
     return out
 
 
@@ -375,6 +391,9 @@ def main() -> None:
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     ap.add_argument("--quick", action="store_true", help="B = 1, 8; sampled; one repeat")
     ap.add_argument("--markdown", action="store_true", help="also print a Markdown table")
+    ap.add_argument(
+        "--compile", action="store_true", help="add compiled plain and best-of-N engines"
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/rollout.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -390,8 +409,9 @@ def main() -> None:
     rows = []
     for mode in modes:
         rows += run_mode(
-            mode, batches, repeats, args.max_tokens, args.target, args.draft, args.lookup, clock
-        )
+            mode, batches, repeats, args.max_tokens, args.target, args.draft, args.lookup, clock,
+            args.compile,
+        )  # fmt: skip
     add_ratios(rows)
     checks = targets(rows)
     title = (
@@ -412,6 +432,7 @@ def main() -> None:
         "clock": args.clock,
         "max_tokens": args.max_tokens,
         "max_k": MAX_K,
+        "compile": args.compile,
         "prompt_lookup_num_tokens": args.lookup,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

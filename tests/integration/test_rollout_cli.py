@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -92,15 +93,34 @@ RECORDS = [
 ]
 
 
-def test_rollout_writes_samples_and_a_json_summary(checkpoint, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "compiled",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                shutil.which("c++") is None and shutil.which("g++") is None,
+                reason="inductor on CPU needs a C++ compiler",
+            ),
+        ),
+    ],
+    ids=["eager", "compiled"],
+)
+def test_rollout_writes_samples_and_a_json_summary(
+    checkpoint, tmp_path, monkeypatch, capsys, compiled
+):
     prompts = _write(tmp_path / "p.jsonl", [json.dumps(r) for r in RECORDS] + [""])
     out = tmp_path / "sub" / "out.jsonl"
     args = ["--target", str(checkpoint), "--prompts", str(prompts), "--out", str(out)]
     opts = ["--n", "2", "--temperature", "0", "--max-tokens", "10", "--k", "3", "--batch-size", "4"]
+    if compiled:
+        opts.append("--compile")
     code, stdout, _ = _cli(monkeypatch, capsys, "rollout", *args, *opts, "--json")
     assert code == 0
     summary = json.loads(stdout)
     assert summary["prompts"] == 3 and summary["samples"] == 6
+    assert ("compiled_graphs" in summary) == compiled
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert [(r["id"], r["index"]) for r in rows] == [
         ("a", 0),

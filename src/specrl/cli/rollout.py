@@ -51,6 +51,14 @@ DraftOpt = Annotated[
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the engine (sampling, bandit).")]
+CompileOpt = Annotated[
+    bool,
+    typer.Option(
+        "--compile/--no-compile",
+        help="torch.compile the decode step (padded, shape-stable batches): faster once its "
+        "few graphs are built (seconds to a minute at start); needs g++ on CPU.",
+    ),
+]
 
 
 def build_engine(
@@ -61,6 +69,7 @@ def build_engine(
     device: str,
     seed: int,
     draft: Path | None = None,
+    compile: bool = False,
 ):
     """Load the checkpoint (and a draft) and build a :class:`RolloutEngine` plus its codec."""
     from specrl.core.runtime import pick_device
@@ -82,7 +91,9 @@ def build_engine(
         names = names if "eagle3" in names else (*names, "eagle3")
         options["eagle3"] = {"path": str(draft)}
     spec = SpecConfig(proposers=names, max_k=k, proposer_options=options) if names else None
-    engine = RolloutEngine(model, codec=codec, max_batch_size=batch_size, spec=spec, seed=seed)
+    engine = RolloutEngine(
+        model, codec=codec, max_batch_size=batch_size, spec=spec, seed=seed, compile=compile
+    )
     return engine, codec
 
 
@@ -148,6 +159,7 @@ def rollout_command(
     k: KOpt = 4,
     batch_size: BatchOpt = 16,
     device: DeviceOpt = "auto",
+    compile: CompileOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Generate n samples per prompt of a JSONL file with speculative decoding."""
@@ -163,7 +175,7 @@ def rollout_command(
     from specrl.rollout import Request, SamplingParams
 
     records = read_prompts(prompts)
-    engine, _ = build_engine(target, proposers, k, batch_size, device, seed, draft)
+    engine, _ = build_engine(target, proposers, k, batch_size, device, seed, draft, compile)
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n
     )
@@ -207,6 +219,8 @@ def rollout_command(
         "plain_steps": gating["plain_steps"],
         "selections": gating["selections"],
     }
+    if stats["compiled_graphs"] is not None:
+        summary["compiled_graphs"] = stats["compiled_graphs"]
     if want_json(json_out):
         emit_json(summary)
     else:
@@ -240,6 +254,7 @@ def serve_command(
     ] = 1 << 20,
     device: DeviceOpt = "auto",
     seed: SeedOpt = 0,
+    compile: CompileOpt = False,
 ) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API (completions, health, metrics)."""
     if target is None:
@@ -258,7 +273,7 @@ def serve_command(
             raise ConfigError(f"token file '{update_token_file}' is empty")
     elif os.environ.get("SPECRL_UPDATE_TOKEN"):
         token = os.environ["SPECRL_UPDATE_TOKEN"].strip()
-    engine, codec = build_engine(target, proposers, k, batch_size, device, seed, draft)
+    engine, codec = build_engine(target, proposers, k, batch_size, device, seed, draft, compile)
     limits = ServerLimits(
         max_body_bytes=max_body_bytes,
         max_prompt_tokens=engine.max_model_len - 1,

@@ -164,6 +164,11 @@ class RolloutConfig:
     temperature: float = doc(1.0, "Sampling temperature (applied to training logits too).")
     max_tokens: int = doc(64, "Generation budget per sample.")
     max_batch_size: int = doc(64, "Engine slots (concurrent sequences).")
+    compile: bool = doc(
+        False,
+        "torch.compile the engine's decode step (padded, shape-stable batches; a few graphs "
+        "compile in the first steps). Needs g++ on CPU, Triton on CUDA.",
+    )
     speculation: SpeculationConfig | None = doc(
         factory=SpeculationConfig, help="Speculative decoding; null: plain decoding."
     )

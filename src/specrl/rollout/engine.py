@@ -54,6 +54,7 @@ from specrl.core.attention import PackedLayout
 from specrl.errors import CheckpointError, ConfigError
 from specrl.models.decoder import CacheBatch, Transformer
 from specrl.models.tokenizer import TextCodec
+from specrl.rollout.compiled import CompiledDecode
 from specrl.rollout.gating import Arm, SpecController
 from specrl.rollout.metrics import AcceptanceAlarm, SpecStats
 from specrl.rollout.proposers import (
@@ -190,10 +191,13 @@ class RolloutEngine:
         clock: Callable[[], float] = time.perf_counter,
         eos_token_ids: Sequence[int] | None = None,
         fused: bool = True,
+        compile: bool = False,
     ) -> None:
         """``fused``: run the target's inference path with fused q|k|v and gate|up projections
         (:mod:`specrl.models.fused`; the copies cost those weights' memory once more), False for
-        the module forward."""
+        the module forward.  ``compile``: run decode steps through ``torch.compile`` on padded,
+        shape-stable batches (:mod:`specrl.rollout.compiled`; the first steps of each shape
+        class compile, about four graphs in all); prefill stays eager."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be ≥ 1, got {max_batch_size}")
         self.model = model
@@ -203,7 +207,6 @@ class RolloutEngine:
         self.vocab_size = model.config.vocab_size
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len or model.config.max_position_embeddings
-        self.cache = model.new_cache(max_batch_size, self.max_model_len)
         self.clock = clock
         self._stopwatch = _Stopwatch(self.device, clock)
         if eos_token_ids is None:
@@ -215,6 +218,10 @@ class RolloutEngine:
         self.spec = spec = spec if spec is not None else SpecConfig(proposers=())
         if spec.max_k < 1:
             raise ConfigError(f"max k must be ≥ 1, got {spec.max_k}")
+        self._compiled = CompiledDecode(model) if compile else None
+        # padded decode rows write K/V up to max_k positions past a sequence's last: spare rows
+        spare = spec.max_k if compile and spec.proposers else 0
+        self.cache = model.new_cache(max_batch_size, self.max_model_len + spare)
         ctx = ProposerContext(model, self.max_model_len, max_batch_size, seed)
         self.proposers: dict[str, Proposer] = {
             name: build_proposer(name, ctx, **dict(spec.proposer_options.get(name, {})))
@@ -502,8 +509,16 @@ class RolloutEngine:
         """
         fed = launch.fed
         lens = [len(x) for x in launch.inputs]
+        # compiled decode: a uniform [B, M] block (module docstring of specrl.rollout.compiled)
+        padded = (
+            self._compiled is not None
+            and not launch.prefill
+            and all(s.slot == i for i, s in enumerate(fed))
+        )
+        width = max(lens)
+        fed_lens = [width] * len(lens) if padded else lens
         starts, cu = [], [0]
-        for n in lens:
+        for n in fed_lens:
             starts.append(cu[-1])
             cu.append(cu[-1] + n)
         launch.input_starts = starts
@@ -517,10 +532,12 @@ class RolloutEngine:
             logit_rows += range(end - n, end)
         k1 = launch.k1 = max(launch.num_rows)
         parts: dict[str, list[int]] = {
-            "ids": [x for seq in launch.inputs for x in seq],
+            "ids": [x for seq in launch.inputs for x in (*seq, *[0] * (width - len(seq)))]
+            if padded
+            else [x for seq in launch.inputs for x in seq],
             "cu_seqlens": cu,
-            "position_ids": [j for n in lens for j in range(n)],
-            "seq_ids": [i for i, n in enumerate(lens) for _ in range(n)],
+            "position_ids": [j for n in fed_lens for j in range(n)],
+            "seq_ids": [i for i, n in enumerate(fed_lens) for _ in range(n)],
             "slots": [s.slot for s in fed],
             "prefix": [s.kv_len for s in fed],
             "row_index": [  # [B, K+1]: row of (sequence b, position j), clamped to its last
@@ -542,13 +559,16 @@ class RolloutEngine:
         t.setdefault("logits_index", None)
         t["row_index"] = t["row_index"].view(len(launch.seqs), k1)
         t["layout"] = PackedLayout(
-            t.pop("cu_seqlens"), t.pop("position_ids"), max(lens), t.pop("seq_ids")
+            t.pop("cu_seqlens"), t.pop("position_ids"), width, t.pop("seq_ids")
         )
-        t["max_kv"] = max(s.kv_len + n for s, n in zip(fed, lens, strict=True))
+        t["max_kv"] = max(s.kv_len + n for s, n in zip(fed, fed_lens, strict=True))
         # host flags that spare the attention kernel work: slots 0..B−1 slice the cache instead
         # of gathering it; one new token each at one common position needs no mask
         t["slots_are_prefix"] = all(s.slot == i for i, s in enumerate(fed))
         t["full_rows"] = all(n == 1 for n in lens) and all(s.kv_len == fed[0].kv_len for s in fed)
+        t["padded"] = padded
+        if padded:  # flags from the block's shape only: no new graph when prefixes align
+            t["full_rows"] = len(fed) == 1 and width == 1
         t["params"] = RowParams.build([s.params for s in launch.seqs], launch.num_rows, self.device)
         t["uniforms"] = self._uniforms(launch)
         if any(d.probs is not None for d in launch.drafts):
@@ -602,14 +622,19 @@ class RolloutEngine:
             slots_are_prefix=t["slots_are_prefix"],
             full_rows=t["full_rows"],
         )
-        out = self.model(
-            t["ids"],
-            t["layout"],
-            taps=self.tap_layers,
-            cache=cache,
-            logits_index=t["logits_index"],
-            fused=self.fused,
-        )
+        if t["padded"]:
+            out = self._compiled(t["ids"], t["layout"], cache, self.tap_layers)
+            if t["logits_index"] is not None:  # drop the padded rows
+                out.logits = out.logits.index_select(0, t["logits_index"])
+        else:
+            out = self.model(
+                t["ids"],
+                t["layout"],
+                taps=self.tap_layers,
+                cache=cache,
+                logits_index=t["logits_index"],
+                fused=self.fused,
+            )
         if launch.prefill:
             self._share_prefix_kv(launch)
             self._prefill_forwards += 1
@@ -861,6 +886,7 @@ class RolloutEngine:
             "seconds": self._seconds,
             "tokens_per_s": self._tokens / self._seconds if self._seconds > 0 else None,
             "forwards_per_token": forwards / self._tokens if self._tokens else None,
+            "compiled_graphs": None if self._compiled is None else self._compiled.graphs,
             "finished": self._finished,
             "running": len(self._running),
             "waiting": len(self._waiting),

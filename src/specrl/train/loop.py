@@ -345,6 +345,7 @@ class RLTrainer:
             max_model_len=self.max_seq_len,
             spec=spec,
             seed=self.recipe.run.seed + 7919 * self.layout.dp_rank,
+            compile=r.compile,
             **kwargs,
         )
 

@@ -1,0 +1,80 @@
+"""The target's decode forward under ``torch.compile``, shape-stable across steps.
+
+Eager decoding at rollout batch sizes is mostly per-op overhead: each layer runs a dozen small
+elementwise kernels (RMSNorm's composite, RoPE, SiLU·up, residual adds) around its GEMMs.
+Inductor fuses them into a few loops, but only pays off when the compiled graphs are reused, so
+the engine feeds the compiled forward steps of one structure whatever the batch:
+
+- every decode step is **padded to a uniform [B, M] block** (M = longest k + 1 of the step;
+  short rows are filled with token 0), the padded rows' logits are dropped after the forward;
+  their K/V land beyond the sequence's committed length, like a rejected draft's, which
+  attention never reads and the next step overwrites (the engine's cache has ``max_k`` spare
+  rows for them);
+- the sequences hold **slots 0..B−1** (compact slots), so the cache is sliced, never gathered;
+- the host flags are a function of (B, M) only: no mask for one sequence and one token,
+  a causal mask built in the graph otherwise.
+
+Sizes (B, M, the KV length) are symbolic (``dynamic=True``); sizes 1 specialise, so a run
+compiles about four graphs (B = 1 or more, M = 1 or more) and none afterwards.  Prefill stays
+eager (its lengths vary the most, and it runs once per request).  The compiled graph reads the
+parameters at each call, so in-place weight updates (``RolloutEngine.update_weights``) need no
+recompilation; the GEMMs are the module path's (q, k, v apart: the fused copies of
+:mod:`specrl.models.fused` check versions on the host, which a graph cannot).
+
+On CPU inductor builds C++ and needs a compiler (``g++``); on CUDA it uses Triton.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from specrl.errors import ConfigError
+from specrl.models.decoder import CacheBatch, ModelOutput, Transformer
+
+__all__ = ["CompiledDecode"]
+
+RECOMPILE_LIMIT = 64
+
+
+def _check_toolchain(device: torch.device) -> None:
+    if device.type == "cpu":
+        cxx = os.environ.get("CXX", "c++")
+        if shutil.which(cxx) is None and shutil.which("g++") is None:
+            raise ConfigError(
+                f"compiled decoding on CPU needs a C++ compiler ({cxx!r} or g++ on PATH): "
+                "install one (Debian: apt install g++) or run without --compile"
+            )
+
+
+class CompiledDecode:
+    """``model.forward`` compiled for the engine's padded decode steps."""
+
+    def __init__(self, model: Transformer) -> None:
+        _check_toolchain(model.device)
+        import torch._dynamo  # the counters read in __call__
+
+        self._fn = torch.compile(model.forward, dynamic=True)
+        self.graphs = 0  # graphs dynamo compiled for this forward so far
+
+    def __call__(
+        self, ids: torch.Tensor, layout: Any, cache: CacheBatch, taps: tuple[int, ...]
+    ) -> ModelOutput:
+        counters = torch._dynamo.utils.counters["stats"]
+        before = counters["unique_graphs"]
+        try:
+            # dynamo's recompile limit counts the graphs of every model behind this code object
+            # in the process (tests, engines rebuilt on new models); each model needs ≈ 4
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                out = self._fn(ids, layout, taps=taps, cache=cache)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            inner = e.inner_exception
+            raise RuntimeError(
+                f"torch.compile could not build the decode step ({type(inner).__name__}: "
+                f"{inner}); run without --compile (RolloutEngine(compile=False))"
+            ) from e
+        self.graphs += counters["unique_graphs"] - before
+        return out

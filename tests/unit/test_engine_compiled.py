@@ -1,0 +1,145 @@
+"""Compiled decoding (``RolloutEngine(compile=True)``): the same tokens and logprobs as eager
+decoding, graphs reused across batch shapes, weight updates seen without recompiling.
+
+Float64 tiny decoders as in ``test_engine``: compiled and eager forwards differ by rounding
+only (≈ 1e-15), so greedy tokens must match exactly and logprobs to 1e-9.  Inductor on CPU
+builds C++; without a compiler these tests skip (the engine then refuses ``compile=True``, which
+the last test checks).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from specrl.errors import ConfigError
+from specrl.models.generate import generate
+from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
+from tests.unit.test_draft import make_pair
+from tests.unit.test_engine import PROMPTS, greedy, make_engine, tiny
+
+needs_cxx = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="inductor on CPU needs a C++ compiler",
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """One model for the module: dynamo's graphs are cached per model, so engines share them."""
+    return tiny(seed=3)
+
+
+def requests(params: list[SamplingParams]) -> list[Request]:
+    return [
+        Request(PROMPTS[i % len(PROMPTS)], sp, request_id=str(i)) for i, sp in enumerate(params)
+    ]
+
+
+MIXED = [  # uneven lengths: sequences finish at different steps, slots move, batches shrink
+    SamplingParams(max_tokens=m, temperature=t, top_p=p, n=n, seed=i)
+    for i, (m, t, p, n) in enumerate(
+        [(20, 0.0, 1.0, 1), (7, 1.0, 1.0, 2), (13, 0.7, 0.9, 1), (3, 0.0, 1.0, 2), (16, 1.3, 1, 1)]
+    )
+]
+
+
+@needs_cxx
+@pytest.mark.parametrize(
+    "proposers", [(), ("ngram", "test-garbage", "test-randq")], ids=["plain", "best-of-n"]
+)
+def test_compiled_engine_emits_what_the_eager_engine_emits(model, proposers):
+    spec = SpecConfig(proposers=proposers, max_k=3, gate=False) if proposers else None
+    out = {}
+    for compiled in (False, True):
+        engine = make_engine(model, max_batch_size=3, spec=spec, compile=compiled)
+        out[compiled] = engine.generate(requests(MIXED))
+    assert engine.stats()["compiled_graphs"] > 0  # this run compiled (M > 1 is new for best-of-n)
+    eager, comp = out[False], out[True]
+    assert [r.tokens for r in comp] == [r.tokens for r in eager]
+    for a, b in zip(comp, eager, strict=True):
+        assert a.finish_reason == b.finish_reason
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-9)
+        torch.testing.assert_close(a.policy_logprobs, b.policy_logprobs, rtol=0, atol=1e-9)
+    greedy_rows = [i for i, r in enumerate(comp) if MIXED[int(r.request_id)].temperature == 0]
+    for i in greedy_rows:  # and greedy rows are the reference decode
+        r = comp[i]
+        assert r.tokens == generate(model, [r.prompt_tokens], len(r.tokens))[0]
+    if proposers:
+        assert 0 < engine.stats()["spec"]["accepted"] < engine.stats()["spec"]["draft_tokens"]
+
+
+@needs_cxx
+def test_compiled_graphs_are_reused_across_batch_shapes(model):
+    spec = SpecConfig(proposers=("ngram", "test-garbage"), max_k=4, gate=False)
+    engine = make_engine(model, max_batch_size=4, spec=spec, compile=True)
+    engine.generate(requests(MIXED))  # warm-up: B = 1 and B > 1, M = 1 and M > 1
+    assert engine.stats()["compiled_graphs"] <= 4
+    # new batch sizes, draft lengths, KV lengths and prompts: no graph may be compiled
+    later = [SamplingParams(max_tokens=m, temperature=0.0, n=n) for m, n in [(30, 3), (5, 1)]]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        out = engine.generate(requests(later + MIXED[:2]))
+        plain = make_engine(model, max_batch_size=2, compile=True)
+        plain_out = plain.generate(requests(later))
+    for r in [*out[:4], *plain_out]:
+        assert r.tokens == generate(model, [r.prompt_tokens], len(r.tokens))[0]
+
+
+@needs_cxx
+def test_compiled_engine_follows_weight_updates_without_recompiling():
+    # a vocabulary of its own: parameter shapes are static, so this model compiles its graphs
+    model, other = tiny(seed=0, vocab=40), tiny(seed=9, vocab=40)
+    engine = make_engine(model, max_batch_size=2, spec=SpecConfig(max_k=2), compile=True)
+    prompts = PROMPTS[:3]
+    first = engine.generate([Request(p, greedy(10)) for p in prompts])
+    assert [r.tokens for r in first] == generate(tiny(seed=0, vocab=40), prompts, 10)
+    assert engine.stats()["compiled_graphs"] > 0
+    engine.update_weights(policy=other.state_dict(), version=1)
+    with torch.compiler.set_stance("fail_on_recompile"):  # parameters are read at each call
+        out = engine.generate([Request(p, greedy(10)) for p in prompts])
+    assert [r.tokens for r in out] == generate(other, prompts, 10)
+
+
+@needs_cxx
+def test_compiled_engine_feeds_eagle3_the_unpadded_taps():
+    target, draft = make_pair()
+    ref = generate(target, PROMPTS, 16)
+    spec = SpecConfig(
+        proposers=("eagle3", "ngram"),
+        max_k=3,
+        gate=False,
+        proposer_options={"eagle3": {"draft": draft}},
+    )
+    drafts = {}
+    for compiled in (True, False):
+        engine = make_engine(target, max_batch_size=3, spec=spec, compile=compiled)
+        eagle3, seen = engine.proposers["eagle3"], drafts.setdefault(compiled, [])
+
+        def propose(batch, ks, _inner=eagle3.propose, _seen=seen):
+            got = _inner(batch, ks)
+            _seen.append([d.tokens for d in got])
+            return got
+
+        eagle3.propose = propose
+        out = engine.generate([Request(p, greedy(16)) for p in PROMPTS])
+        assert [r.tokens for r in out] == ref
+        assert (engine.stats()["compiled_graphs"] or 0) > 0 or not compiled
+    # the draft read the taps of the committed rows only: the drafts equal eager decoding's
+    assert drafts[True] == drafts[False]
+    assert sum(len(d) for call in drafts[True] for d in call) > 20
+
+
+def test_compile_without_a_cxx_compiler_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match=r"C\+\+ compiler.*without --compile"):
+        RolloutEngine(tiny(), compile=True)
