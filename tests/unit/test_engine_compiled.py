@@ -111,32 +111,47 @@ def test_compiled_engine_follows_weight_updates_without_recompiling():
 
 
 @needs_cxx
-def test_compiled_engine_feeds_eagle3_the_unpadded_taps():
+def test_compiled_engine_and_eagle3_chain_draft_what_eager_ones_draft():
     target, draft = make_pair()
-    ref = generate(target, PROMPTS, 16)
     spec = SpecConfig(
         proposers=("eagle3", "ngram"),
         max_k=3,
         gate=False,
         proposer_options={"eagle3": {"draft": draft}},
     )
-    drafts = {}
+    # greedy requests (one-hot drafts) and sampled ones (drafts drawn from q, which is reported)
+    params = [
+        greedy(16) if i % 2 == 0 else SamplingParams(max_tokens=16, temperature=0.8, seed=i)
+        for i in range(len(PROMPTS))
+    ]
+    drafts, outs = {}, {}
     for compiled in (True, False):
         engine = make_engine(target, max_batch_size=3, spec=spec, compile=compiled)
         eagle3, seen = engine.proposers["eagle3"], drafts.setdefault(compiled, [])
 
         def propose(batch, ks, _inner=eagle3.propose, _seen=seen):
             got = _inner(batch, ks)
-            _seen.append([d.tokens for d in got])
+            _seen.extend((d.tokens, d.probs) for d in got)
             return got
 
         eagle3.propose = propose
-        out = engine.generate([Request(p, greedy(16)) for p in PROMPTS])
-        assert [r.tokens for r in out] == ref
+        reqs = [Request(p, sp) for p, sp in zip(PROMPTS, params, strict=True)]
+        outs[compiled] = engine.generate(reqs)
+        # the target's decode steps and the draft's chain steps both ran compiled
+        assert (eagle3.compiled_graphs > 0) == compiled
         assert (engine.stats()["compiled_graphs"] or 0) > 0 or not compiled
-    # the draft read the taps of the committed rows only: the drafts equal eager decoding's
-    assert drafts[True] == drafts[False]
-    assert sum(len(d) for call in drafts[True] for d in call) > 20
+    assert [r.tokens for r in outs[True]] == [r.tokens for r in outs[False]]
+    ref = generate(target, PROMPTS, 16)
+    assert [r.tokens for r in outs[True][::2]] == ref[::2]
+    # the draft read the taps of the committed rows only, and its compiled chain step computes
+    # what the eager one does: the same drafts, the same q
+    assert [t for t, _ in drafts[True]] == [t for t, _ in drafts[False]]
+    for (_, a), (_, b) in zip(drafts[True], drafts[False], strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert sum(len(t) for t, q in drafts[True] if q is not None) > 10  # sampled drafts
+    assert sum(len(t) for t, q in drafts[True] if q is None) > 10  # greedy drafts
 
 
 def test_compile_without_a_cxx_compiler_is_a_config_error(monkeypatch):

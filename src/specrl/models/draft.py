@@ -344,11 +344,14 @@ class Eagle3Draft(nn.Module):
         ids: torch.Tensor,  # [T] token input at each new index
         layout: PackedLayout,  # new tokens per sequence
         cache: CacheBatch,  # draft cache: rows are RoPE positions (main entries, then chain)
+        fused: bool | None = None,
     ) -> torch.Tensor:
         """One draft layer pass over new cache rows; returns pre-norm h [T, H].
 
         The cache row of index t at chain step j is t + j (= its RoPE position), so the main
         entries of real positions are followed by the current chain, exactly the TTT branch mask.
+        ``fused``: the fused q|k|v and gate|up projections; default: when autograd is off
+        (inference).  A compiled caller passes False (the fused copies are kept on the host).
         """
         layer = self.midlayer
         positions = cache.prefix_lens[layout.seq_ids] + layout.token_offsets
@@ -358,7 +361,8 @@ class Eagle3Draft(nn.Module):
             cache.mask = cache_mask(layout, cache.prefix_lens, cache.max_kv_len, None)
         cos, sin = self.rotary.cos_sin(positions, feat.dtype)
         x = layer.attn_input(self.embed_tokens(ids), feat)
-        fused = not torch.is_grad_enabled()  # decoding is inference: fused projections
+        if fused is None:
+            fused = not torch.is_grad_enabled()  # decoding is inference: fused projections
         q, k, v = layer.self_attn.qkv(x, cos, sin, fused=fused)
         out = attention(q, k, v, layout, cache=cache.view(0))
         return layer.finish(feat, out, fused=fused)

@@ -14,6 +14,10 @@ the engine feeds the compiled forward steps of one structure whatever the batch:
 - the host flags are a function of (B, M) only: no mask for one sequence and one token,
   a causal mask built in the graph otherwise.
 
+The EAGLE-3 proposer compiles its chain step (one draft-layer pass and the draft logits for one
+token per sequence) with the same rules: sequences in slots 0..B−1, no mask for a single
+sequence.  Its catch-up pass over the newly committed positions stays eager.
+
 Sizes (B, M, the KV length) are symbolic (``dynamic=True``); sizes 1 specialise, so a run
 compiles about four graphs (B = 1 or more, M = 1 or more) and none afterwards.  Prefill stays
 eager (its lengths vary the most, and it runs once per request).  The compiled graph reads the
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,12 +40,13 @@ import torch
 from specrl.errors import ConfigError
 from specrl.models.decoder import CacheBatch, ModelOutput, Transformer
 
-__all__ = ["CompiledDecode"]
+__all__ = ["Compiled", "CompiledDecode", "check_toolchain"]
 
 RECOMPILE_LIMIT = 64
 
 
-def _check_toolchain(device: torch.device) -> None:
+def check_toolchain(device: torch.device) -> None:
+    """Fail fast, with the fix, where inductor cannot build kernels (no C++ compiler on CPU)."""
     if device.type == "cpu":
         cxx = os.environ.get("CXX", "c++")
         if shutil.which(cxx) is None and shutil.which("g++") is None:
@@ -50,31 +56,43 @@ def _check_toolchain(device: torch.device) -> None:
             )
 
 
-class CompiledDecode:
-    """``model.forward`` compiled for the engine's padded decode steps."""
+class Compiled:
+    """``torch.compile(fn, dynamic=True)`` for the engine's shape-stable calls: counts the graphs
+    it compiles and names the way out when compilation fails."""
 
-    def __init__(self, model: Transformer) -> None:
-        _check_toolchain(model.device)
+    def __init__(self, fn: Callable[..., Any], device: torch.device, what: str) -> None:
+        check_toolchain(device)
         import torch._dynamo  # the counters read in __call__
 
-        self._fn = torch.compile(model.forward, dynamic=True)
-        self.graphs = 0  # graphs dynamo compiled for this forward so far
+        self._fn = torch.compile(fn, dynamic=True)
+        self.what = what
+        self.graphs = 0  # graphs dynamo compiled for this callable so far
 
-    def __call__(
-        self, ids: torch.Tensor, layout: Any, cache: CacheBatch, taps: tuple[int, ...]
-    ) -> ModelOutput:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         counters = torch._dynamo.utils.counters["stats"]
         before = counters["unique_graphs"]
         try:
-            # dynamo's recompile limit counts the graphs of every model behind this code object
+            # dynamo's recompile limit counts the graphs of every model behind one code object
             # in the process (tests, engines rebuilt on new models); each model needs ≈ 4
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                out = self._fn(ids, layout, taps=taps, cache=cache)
+                out = self._fn(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = e.inner_exception
             raise RuntimeError(
-                f"torch.compile could not build the decode step ({type(inner).__name__}: "
-                f"{inner}); run without --compile (RolloutEngine(compile=False))"
+                f"torch.compile could not build {self.what} ({type(inner).__name__}: {inner}); "
+                "run without --compile (RolloutEngine(compile=False))"
             ) from e
         self.graphs += counters["unique_graphs"] - before
         return out
+
+
+class CompiledDecode(Compiled):
+    """``model.forward`` compiled for the engine's padded decode steps."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__(model.forward, model.device, "the decode step")
+
+    def __call__(  # type: ignore[override]
+        self, ids: torch.Tensor, layout: Any, cache: CacheBatch, taps: tuple[int, ...]
+    ) -> ModelOutput:
+        return super().__call__(ids, layout, taps=taps, cache=cache)

@@ -222,7 +222,7 @@ class RolloutEngine:
         # padded decode rows write K/V up to max_k positions past a sequence's last: spare rows
         spare = spec.max_k if compile and spec.proposers else 0
         self.cache = model.new_cache(max_batch_size, self.max_model_len + spare)
-        ctx = ProposerContext(model, self.max_model_len, max_batch_size, seed)
+        ctx = ProposerContext(model, self.max_model_len, max_batch_size, seed, compile)
         self.proposers: dict[str, Proposer] = {
             name: build_proposer(name, ctx, **dict(spec.proposer_options.get(name, {})))
             for name in spec.proposers
@@ -886,7 +886,10 @@ class RolloutEngine:
             "seconds": self._seconds,
             "tokens_per_s": self._tokens / self._seconds if self._seconds > 0 else None,
             "forwards_per_token": forwards / self._tokens if self._tokens else None,
-            "compiled_graphs": None if self._compiled is None else self._compiled.graphs,
+            "compiled_graphs": None
+            if self._compiled is None
+            else self._compiled.graphs
+            + sum(getattr(p, "compiled_graphs", 0) for p in self.proposers.values()),
             "finished": self._finished,
             "running": len(self._running),
             "waiting": len(self._waiting),

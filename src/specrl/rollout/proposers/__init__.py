@@ -123,6 +123,7 @@ class ProposerContext:
     max_model_len: int  # KV positions per slot
     num_slots: int  # concurrent sequences
     seed: int
+    compile: bool = False  # the engine compiles its decode steps; a proposer may compile its own
 
 
 ProposerFactory = Callable[..., Proposer]  # (ctx: ProposerContext, **options) -> Proposer

@@ -31,6 +31,7 @@ from specrl.errors import CheckpointError
 from specrl.models.decoder import CacheBatch
 from specrl.models.draft import Eagle3Draft
 from specrl.models.draft_io import check_compatible, load_draft
+from specrl.rollout.compiled import Compiled
 from specrl.rollout.proposers import Draft, ProposerContext, SeqState, register_proposer
 
 
@@ -57,6 +58,13 @@ class Eagle3Proposer:
         self._to_target = draft.draft_to_target
         self._state: dict[int, _State] = {}
         self._one_layouts: dict[int, PackedLayout] = {}
+        self._compiled = None
+        if ctx.compile:  # the chain step under torch.compile (specrl.rollout.compiled)
+            self._compiled = Compiled(self._chain_step, self.device, "the eagle3 chain step")
+
+    @property
+    def compiled_graphs(self) -> int:
+        return 0 if self._compiled is None else self._compiled.graphs
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self, seq: SeqState) -> None:
@@ -214,8 +222,9 @@ class Eagle3Proposer:
         toks: list[torch.Tensor] = []  # per chain step j: [n_j] target ids of the first n_j rows
         qs: list[torch.Tensor | None] = []
         n = len(seqs)
+        logits = self.draft.logits(h)
         for step in range(steps[0]):
-            tok, q = self._pick(self.draft.logits(h), seqs[:n], sampled, temps)
+            tok, q = self._pick(logits, seqs[:n], sampled, temps)
             toks.append(tok)
             qs.append(q)
             n = sum(1 for k in steps if k > step + 1)
@@ -232,9 +241,14 @@ class Eagle3Proposer:
                 prefix[:n] + step,
                 max(kv) + step + 1,
                 slots_are_prefix=all(s.slot == i for i, s in enumerate(seqs[:n])),
-                full_rows=all(x == kv[0] for x in kv),  # one token each at one position
+                # one token each at one position: no mask (compiled: for one sequence only, so
+                # the flag follows the shape and aligned prefixes compile no extra graph)
+                full_rows=n == 1 if self._compiled else all(x == kv[0] for x in kv),
             )
-            h = self.draft.decode(h, tok, self._ones(n), cache)
+            if self._compiled is not None:
+                h, logits = self._compiled(h, tok, self._ones(n), cache)
+            else:
+                h, logits = self._chain_step(h, tok, self._ones(n), cache, fused=True)
         host = [t.tolist() for t in toks]  # one transfer per chain step, after the loop
         for r, b in enumerate(live):
             out[b].tokens = [host[j][r] for j in range(min(steps[r], len(host)))]
@@ -242,6 +256,18 @@ class Eagle3Proposer:
             if rows and batch[b].params.temperature > 0:
                 out[b].probs = rows[0] if len(rows) == 1 else torch.cat(rows)
         return out
+
+    def _chain_step(
+        self,
+        h: torch.Tensor,
+        tok: torch.Tensor,
+        layout: PackedLayout,
+        cache: CacheBatch,
+        fused: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chain position j → j + 1: the draft layer on (h, d_j), then the logits of d_{j+1}."""
+        h = self.draft.decode(h, tok, layout, cache, fused=fused)
+        return h, self.draft.logits(h)
 
     def _ones(self, n: int) -> PackedLayout:
         """The layout of n sequences of one token each (kept: chain steps reuse it)."""
