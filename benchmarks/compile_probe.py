@@ -1,7 +1,9 @@
 """Probe: the rollout engine with its target forward under ``torch.compile`` vs eager.
 
-Not a feature yet — a measurement for the next step on issue 6's "specrl plain ≥ 1.5×
-``transformers``" target.  For each batch size B, one plain-decoding engine per mode decodes
+The baseline of ``RolloutEngine(compile=True)`` (:mod:`specrl.rollout.compiled`): it compiles
+the forward as the eager engine calls it, whose steps change shape and host flags, so dynamo
+keeps compiling new graphs; the engine's compiled mode pads its steps to shape-stable blocks
+instead (``benchmarks/rollout.py --compile`` measures it).  For each batch size B, one plain-decoding engine per mode decodes
 max(B, 8) addition prompts (sampled, T = 1, ≤ 64 tokens) after ``--warmup`` runs (default 2)
 on other prompts; the compiled engine's target is ``torch.compile(model, dynamic=True)``.
 Reported per B: warm-up wall seconds (compilation included), tokens/s over three measured runs

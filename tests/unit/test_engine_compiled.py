@@ -154,6 +154,21 @@ def test_compiled_engine_and_eagle3_chain_draft_what_eager_ones_draft():
     assert sum(len(t) for t, q in drafts[True] if q is None) > 10  # greedy drafts
 
 
+@needs_cxx
+def test_compilation_time_stays_out_of_the_gate_cost_model():
+    """Steps that compile a graph take seconds; the gate's cost model must not see them (one
+    such sample among milliseconds would make plain or speculative steps look slow for the
+    whole fit window).  Real clock, a model of its own so its graphs compile here."""
+    model = tiny(seed=1, vocab=37)
+    engine = RolloutEngine(model, max_batch_size=3, spec=SpecConfig(max_k=3), compile=True)
+    engine.generate(requests([SamplingParams(max_tokens=12, temperature=0.0, n=2)] * 3))
+    assert engine.stats()["compiled_graphs"] > 0
+    cost = engine.controller.cost
+    assert 0 < cost.num_observations < engine.stats()["decode_forwards"]  # compiling steps left out
+    for batch in (1, 3):
+        assert cost.predict(batch, batch) < 0.1  # steps take milliseconds, compiling seconds
+
+
 def test_compile_without_a_cxx_compiler_is_a_config_error(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(ConfigError, match=r"C\+\+ compiler.*without --compile"):

@@ -360,6 +360,7 @@ class RolloutEngine:
     def step(self) -> list[Result]:
         """Admit, prefill, speculate/decode and verify once; returns the samples that finished."""
         t0 = self.clock()
+        graphs = self.compiled_graphs
         decoding = [s for s in self._running if s.kv_len > 0]
         admitted = self._admit()
         decode = self._plan_decode(decoding) if decoding else None  # proposers run (timed) here
@@ -384,13 +385,16 @@ class RolloutEngine:
         self._steps += 1
         self._seconds += seconds
         if decode is not None:
-            # the target's decode share of the step: without the prefill and the drafting
-            target = seconds - sum(call[-1] for call in decode.draft_calls)
-            if prefill is not None:
-                target -= self._stopwatch.seconds(start, stop)
-            padded = len(decode.seqs) * max(decode.num_rows)
-            self.controller.record_step(sum(decode.num_rows), padded, target)
-            self._learn(decode, host[-1])
+            # a step that compiled a graph took seconds of compilation: no timing sample
+            timed = graphs == self.compiled_graphs
+            if timed:
+                # the target's decode share of the step: without the prefill and the drafting
+                target = seconds - sum(call[-1] for call in decode.draft_calls)
+                if prefill is not None:
+                    target -= self._stopwatch.seconds(start, stop)
+                padded = len(decode.seqs) * max(decode.num_rows)
+                self.controller.record_step(sum(decode.num_rows), padded, target)
+            self._learn(decode, host[-1], timed)
         return finished
 
     def _compact(self) -> None:
@@ -801,10 +805,10 @@ class RolloutEngine:
             policy_versions=seq.policy_versions,
         )
 
-    def _learn(self, launch: _Launch, host: dict[str, list]) -> None:
-        """Feed the drafting cost models, then the acceptance estimates: one verification per
-        sequence that was allowed to draft."""
-        for call in launch.draft_calls:
+    def _learn(self, launch: _Launch, host: dict[str, list], timed: bool = True) -> None:
+        """Feed the drafting cost models (``timed``: the step's times are samples), then the
+        acceptance estimates: one verification per sequence that was allowed to draft."""
+        for call in launch.draft_calls if timed else ():
             self.controller.record_draft(*call)
         for b, arm in enumerate(launch.arms):
             if arm is None or launch.caps[b] <= 0:
@@ -814,6 +818,14 @@ class RolloutEngine:
             self.controller.record(arm, k_used, emitted)
 
     # ---------------------------------------------------------------------- weights, stats
+    @property
+    def compiled_graphs(self) -> int | None:
+        """Graphs compiled so far for the decode steps and the proposers (None: eager)."""
+        if self._compiled is None:
+            return None
+        extra = sum(getattr(p, "compiled_graphs", 0) for p in self.proposers.values())
+        return self._compiled.graphs + extra
+
     @property
     def takes_draft_weights(self) -> bool:
         """Whether some proposer of this engine loads draft weights (:meth:`update_weights`)."""
@@ -886,10 +898,7 @@ class RolloutEngine:
             "seconds": self._seconds,
             "tokens_per_s": self._tokens / self._seconds if self._seconds > 0 else None,
             "forwards_per_token": forwards / self._tokens if self._tokens else None,
-            "compiled_graphs": None
-            if self._compiled is None
-            else self._compiled.graphs
-            + sum(getattr(p, "compiled_graphs", 0) for p in self.proposers.values()),
+            "compiled_graphs": self.compiled_graphs,
             "finished": self._finished,
             "running": len(self._running),
             "waiting": len(self._waiting),
