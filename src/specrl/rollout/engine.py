@@ -28,9 +28,15 @@ lower ones, and the running list is kept in slot order.  A decode step's sequenc
 0..B−1, so attention reads the cache as a slice instead of gathering B slots' K/V in every layer
 of every step; a move copies one sequence's K/V once.
 
-Rejected drafts leave stale K/V beyond a slot's committed length; attention never looks past a
-query's own position, and the next step overwrites them.  Invariant once prefilled:
-``seq.kv_len == len(seq.tokens) - 1`` (the last emitted token is fed by the next step).
+``compile=True`` runs decode steps under ``torch.compile``, each padded to a uniform
+[B, max k + 1] block so that a handful of graphs serve every step
+(:mod:`specrl.rollout.compiled`); the padded rows' logits are dropped, their K/V written past the
+sequence's committed length (the cache has ``max_k`` spare rows per slot for them).
+
+Rejected drafts (and padded rows) leave stale K/V beyond a slot's committed length; attention
+never looks past a query's own position, and the next step overwrites them.  Invariant once
+prefilled: ``seq.kv_len == len(seq.tokens) - 1`` (the last emitted token is fed by the next
+step).
 
 Weights: ``update_weights(policy=…, draft=…, version=…)`` copies tensors in place (shared
 references, e.g. a draft sharing the target embedding, stay valid) and arms the stale-draft
@@ -513,12 +519,9 @@ class RolloutEngine:
         """
         fed = launch.fed
         lens = [len(x) for x in launch.inputs]
+        slots_are_prefix = all(s.slot == i for i, s in enumerate(fed))
         # compiled decode: a uniform [B, M] block (module docstring of specrl.rollout.compiled)
-        padded = (
-            self._compiled is not None
-            and not launch.prefill
-            and all(s.slot == i for i, s in enumerate(fed))
-        )
+        padded = self._compiled is not None and not launch.prefill and slots_are_prefix
         width = max(lens)
         fed_lens = [width] * len(lens) if padded else lens
         starts, cu = [], [0]
@@ -568,7 +571,7 @@ class RolloutEngine:
         t["max_kv"] = max(s.kv_len + n for s, n in zip(fed, fed_lens, strict=True))
         # host flags that spare the attention kernel work: slots 0..B−1 slice the cache instead
         # of gathering it; one new token each at one common position needs no mask
-        t["slots_are_prefix"] = all(s.slot == i for i, s in enumerate(fed))
+        t["slots_are_prefix"] = slots_are_prefix
         t["full_rows"] = all(n == 1 for n in lens) and all(s.kv_len == fed[0].kv_len for s in fed)
         t["padded"] = padded
         if padded:  # flags from the block's shape only: no new graph when prefixes align
