@@ -3,13 +3,14 @@
 The baseline of ``RolloutEngine(compile=True)`` (:mod:`specrl.rollout.compiled`): it compiles
 the forward as the eager engine calls it, whose steps change shape and host flags, so dynamo
 keeps compiling new graphs; the engine's compiled mode pads its steps to shape-stable blocks
-instead (``benchmarks/rollout.py --compile`` measures it).  For each batch size B, one plain-decoding engine per mode decodes
-max(B, 8) addition prompts (sampled, T = 1, ≤ 64 tokens) after ``--warmup`` runs (default 2)
-on other prompts; the compiled engine's target is ``torch.compile(model, dynamic=True)``.
-Reported per B: warm-up wall seconds (compilation included), tokens/s over three measured runs
-(thread CPU time, one torch thread), how many graphs dynamo compiled in all and during the
-measured runs (``graphs_after_warmup``: their compilation is in the measured time, the engine's
-steps are not yet shape-stable), and whether both engines produced the same tokens.
+instead (``benchmarks/rollout.py --compile`` measures it).  For each batch size B, one
+plain-decoding engine per mode decodes max(B, 8) addition prompts (sampled, T = 1, ≤ 64
+tokens) after ``--warmup`` runs (default 2) on other prompts; the compiled engine's target is
+``torch.compile(model, dynamic=True)``.  Reported per B: warm-up wall seconds (compilation
+included), tokens/s over three measured runs (thread CPU time, one torch thread), how many
+graphs dynamo compiled in all and during the measured runs (``graphs_after_warmup``: their
+compilation is in the measured time, the steps are not shape-stable), and whether both engines
+produced the same tokens.
 
     python -m benchmarks.compile_probe --target runs/toy/target
 
