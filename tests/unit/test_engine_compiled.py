@@ -155,6 +155,26 @@ def test_compiled_engine_and_eagle3_chain_draft_what_eager_ones_draft():
 
 
 @needs_cxx
+def test_warmup_compiles_every_graph_class_and_leaves_no_other_trace():
+    model = tiny(seed=2, vocab=41)  # a vocabulary of its own: nothing compiled yet
+    # a drafter that always drafts (garbage, mostly rejected), gate off: M > 1 in every step
+    spec = SpecConfig(proposers=("ngram", "test-garbage"), max_k=3, gate=False)
+    engine = make_engine(model, max_batch_size=4, spec=spec, compile=True)
+    before = engine.state_dict()
+    assert engine.warmup() > 0
+    assert engine.state_dict() == before  # counters, bandit, gate, n-gram history: as they were
+    assert engine.stats()["tokens"] == 0 and engine.stats()["compiled_graphs"] > 0
+    # batch sizes 1 to 4, steps with and without drafts: every shape class is compiled already
+    mixed = [SamplingParams(max_tokens=m, temperature=0.0, n=n) for m, n in [(14, 3), (9, 1)]]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        out = engine.generate(requests([*mixed, SamplingParams(max_tokens=6, temperature=0.0)]))
+    for r in out:
+        assert r.tokens == generate(model, [r.prompt_tokens], len(r.tokens))[0]
+    assert engine.stats()["spec"]["draft_tokens"] > 0
+    assert make_engine(model).warmup() == 0  # eager: nothing to compile
+
+
+@needs_cxx
 def test_compilation_time_stays_out_of_the_gate_cost_model():
     """Steps that compile a graph take seconds; the gate's cost model must not see them (one
     such sample among milliseconds would make plain or speculative steps look slow for the

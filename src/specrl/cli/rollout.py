@@ -274,6 +274,10 @@ def serve_command(
     elif os.environ.get("SPECRL_UPDATE_TOKEN"):
         token = os.environ["SPECRL_UPDATE_TOKEN"].strip()
     engine, codec = build_engine(target, proposers, k, batch_size, device, seed, draft, compile)
+    if compile:  # compile before serving: the first clients would otherwise wait for it
+        with err.status("compiling the decode step (torch.compile)…"):
+            graphs = engine.warmup()
+        err.print(f"compiled {graphs} graphs")
     limits = ServerLimits(
         max_body_bytes=max_body_bytes,
         max_prompt_tokens=engine.max_model_len - 1,

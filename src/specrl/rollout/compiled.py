@@ -63,6 +63,7 @@ class Compiled:
     def __init__(self, fn: Callable[..., Any], device: torch.device, what: str) -> None:
         check_toolchain(device)
         import torch._dynamo  # the counters read in __call__
+        import torch.fx.experimental._config  # use_duck_shape, patched in __call__
 
         self._fn = torch.compile(fn, dynamic=True)
         self.what = what
@@ -73,8 +74,14 @@ class Compiled:
         before = counters["unique_graphs"]
         try:
             # dynamo's recompile limit counts the graphs of every model behind one code object
-            # in the process (tests, engines rebuilt on new models); each model needs ≈ 4
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            # in the process (tests, engines rebuilt on new models); each model needs ≈ 4.
+            # No duck sizing: sizes that happen to be equal while a graph compiles (the batch
+            # and the KV heads, an input's storage offset) must not become one symbol whose
+            # guard fails, and recompiles, once they differ.
+            with (
+                torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT),
+                torch.fx.experimental._config.patch(use_duck_shape=False),
+            ):
                 out = self._fn(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = e.inner_exception

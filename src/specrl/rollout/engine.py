@@ -820,6 +820,39 @@ class RolloutEngine:
             emitted = host["num_accepted"][b] + 1
             self.controller.record(arm, k_used, emitted)
 
+    def warmup(self) -> int:
+        """Compile the decode graphs now rather than in the first requests (``compile=True``;
+        a server calls it before it reports healthy).  Decodes two short synthetic requests —
+        one alone (batch 1), then one with two samples (batch 2) — once with the gate off (steps
+        with drafts, M > 1) and once without speculation (M = 1), then restores
+        the decision state and counters (:meth:`state_dict`): only the compiled graphs remain.
+        Returns the number of graphs compiled (0 for an eager engine)."""
+        if self._compiled is None:
+            return 0
+        before = self.compiled_graphs or 0
+        state = self.state_dict()
+        gating = self.controller.gating
+        stop = self.eos_token_ids
+        ids = [t for t in range(self.vocab_size) if t not in stop][:3]
+        prompt = (ids * 3)[:8]  # repeats, so n-gram drafters find matches
+        max_tokens = min(8, self.max_model_len - len(prompt) - 1)
+        if max_tokens < 2 or len(ids) < 2:
+            return 0
+        bandit = self.controller.bandit
+        try:
+            for n in (1, 2):
+                params = SamplingParams(max_tokens=max_tokens, temperature=0.0, n=n)
+                # speculating steps (gate off) where there are proposers, then plain ones (no
+                # bandit: every step plain), whose M = 1 the speculating run may never reach
+                for spec in (True, False) if bandit is not None else (False,):
+                    self.controller.gating = not spec
+                    self.controller.bandit = bandit if spec else None
+                    self.generate([Request(prompt, params)])
+        finally:
+            self.controller.gating, self.controller.bandit = gating, bandit
+            self.load_state_dict(state)
+        return (self.compiled_graphs or 0) - before
+
     # ---------------------------------------------------------------------- weights, stats
     @property
     def compiled_graphs(self) -> int | None:
