@@ -12,6 +12,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    on a shared 2-core machine OpenMP spinning across busy cores is far slower than 1 thread."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600):
     """Run ``python -m specrl …`` in a subprocess; returns CompletedProcess (text)."""
     import subprocess

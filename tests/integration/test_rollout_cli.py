@@ -23,15 +23,7 @@ from specrl.models.presets import preset_config
 from specrl.models.tokenizer import char_tokenizer, special_ids
 from specrl.rollout import Request, SamplingParams
 
-pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

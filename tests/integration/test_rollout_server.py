@@ -35,16 +35,8 @@ from specrl.rl.tasks import AdditionTask
 from specrl.rollout import Request, SamplingParams
 from specrl.rollout.server import EngineWorker, ServerLimits, create_app
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 TOKEN = "s3cret-token"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _model(seed: int, eos: bool = True) -> Transformer:

@@ -13,21 +13,16 @@ from specrl.rollout import Request, SamplingParams, SpecConfig
 from tests.unit.test_draft import make_pair
 from tests.unit.test_engine import _exact_marginals, greedy, make_engine
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 PROMPTS = [[1, 5, 6, 7, 5, 6], [3, 4, 3, 4, 3], [9], [10, 11, 12, 13, 10, 11, 12], [2, 2]]
 
 
 def spec_with(draft, *names, k=4):
-    return SpecConfig(proposers=names, max_k=k, gate=False,
-                      proposer_options={"eagle3": {"draft": draft}})
+    return SpecConfig(
+        proposers=names, max_k=k, gate=False, proposer_options={"eagle3": {"draft": draft}}
+    )
 
 
 @pytest.mark.parametrize("slots", [1, 3], ids=["batch1", "continuous"])
@@ -46,8 +41,9 @@ def test_greedy_eagle3_matches_plain(slots, names):
 def test_sampled_eagle3_is_lossless():
     target, draft = make_pair(seed=2)
     params = SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, n=3000, seed=1)
-    engine = make_engine(target, max_batch_size=256, max_model_len=8,
-                         spec=spec_with(draft, "eagle3", k=2))
+    engine = make_engine(
+        target, max_batch_size=256, max_model_len=8, spec=spec_with(draft, "eagle3", k=2)
+    )
     out = engine.generate([Request([1, 2], params)])
     assert engine.stats()["spec"]["drafts"] > 500
     tokens = np.array([r.tokens for r in out])

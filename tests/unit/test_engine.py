@@ -27,14 +27,7 @@ from specrl.rollout.proposers import Draft, build_proposer, register_proposer
 from specrl.rollout.proposers.ngram import NgramProposer
 from specrl.rollout.sampling import RowParams, sampling_probs
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Shared 2-core machines: OpenMP spinning across busy cores is far slower than 1 thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(seed: int = 0, vocab: int = 32) -> Transformer:

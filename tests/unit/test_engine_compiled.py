@@ -20,18 +20,12 @@ from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 from tests.unit.test_draft import make_pair
 from tests.unit.test_engine import PROMPTS, greedy, make_engine, tiny
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 needs_cxx = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,
     reason="inductor on CPU needs a C++ compiler",
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -27,13 +27,7 @@ from specrl.rollout.gating import (
 )
 from specrl.rollout.proposers import Draft, register_proposer
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------- pieces
