@@ -183,6 +183,21 @@ def test_compilation_time_stays_out_of_the_gate_cost_model():
         assert cost.predict(batch, batch) < 0.1  # steps take milliseconds, compiling seconds
 
 
+@needs_cxx
+def test_a_backend_failure_is_a_one_line_config_error():
+    from specrl.rollout.compiled import Compiled
+
+    compiled = Compiled(lambda x: x + 1, torch.device("cpu"), "the test step")
+
+    def fail(*args, **kwargs):
+        raise torch._dynamo.exc.BackendCompilerFailed(None, OSError("cc1plus: killed"), None)
+
+    compiled._fn = fail
+    with pytest.raises(ConfigError, match=r"could not build the test step.*cc1plus") as exc:
+        compiled(torch.ones(2))
+    assert "--compile" in exc.value.hint
+
+
 def test_compile_without_a_cxx_compiler_is_a_config_error(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(ConfigError, match=r"C\+\+ compiler.*without --compile"):

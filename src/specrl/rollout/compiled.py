@@ -84,10 +84,10 @@ class Compiled:
             ):
                 out = self._fn(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
-            inner = e.inner_exception
-            raise RuntimeError(
-                f"torch.compile could not build {self.what} ({type(inner).__name__}: {inner}); "
-                "run without --compile (RolloutEngine(compile=False))"
+            inner = e.inner_exception  # a SpecrlError: the CLI prints one line, not a traceback
+            raise ConfigError(
+                f"torch.compile could not build {self.what} ({type(inner).__name__}: {inner})",
+                hint="run without --compile (RolloutEngine(compile=False))",
             ) from e
         self.graphs += counters["unique_graphs"] - before
         return out
