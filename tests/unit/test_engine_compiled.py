@@ -59,6 +59,7 @@ def test_compiled_engine_emits_what_the_eager_engine_emits(model, proposers):
         engine = make_engine(model, max_batch_size=3, spec=spec, compile=compiled)
         out[compiled] = engine.generate(requests(MIXED))
     assert engine.stats()["compiled_graphs"] > 0  # this run compiled (M > 1 is new for best-of-n)
+    assert engine._compiled.unguarded > 0  # and most steps skipped dynamo's guards
     eager, comp = out[False], out[True]
     assert [r.tokens for r in comp] == [r.tokens for r in eager]
     for a, b in zip(comp, eager, strict=True):
@@ -196,6 +197,33 @@ def test_a_backend_failure_is_a_one_line_config_error():
     with pytest.raises(ConfigError, match=r"could not build the test step.*cc1plus") as exc:
         compiled(torch.ones(2))
     assert "--compile" in exc.value.hint
+
+
+@needs_cxx
+def test_guards_are_skipped_only_for_graph_classes_already_served():
+    from torch._dynamo import eval_frame
+
+    from specrl.rollout.compiled import Compiled
+
+    def step(x: torch.Tensor, flag: bool) -> torch.Tensor:
+        return x * 2 + 1 if flag else x * 2 - 1
+
+    compiled = Compiled(step, torch.device("cpu"), "the test step")
+    x = torch.arange(3.0)
+    for expect_unguarded in (0, 0, 1, 2):  # compile; guarded, served; then guard-free
+        assert compiled(x, True, key="on").tolist() == [1.0, 3.0, 5.0]
+        assert compiled.unguarded == expect_unguarded
+        assert eval_frame._stance.stance == "default"
+        assert not eval_frame._stance.skip_guard_eval_unsafe  # restored after every call
+    # a new class runs guarded: its graph compiles, the first class's is not reused for it
+    assert compiled(torch.arange(5.0), False, key="off").tolist() == [-1.0, 1.0, 3.0, 5.0, 7.0]
+    assert compiled.unguarded == 2 and compiled.graphs == 2
+    # inside another stance (a test's fail_on_recompile) every call is fully guarded
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert compiled(x, True, key="on").tolist() == [1.0, 3.0, 5.0]
+        with pytest.raises(RuntimeError, match=r"fail_on_recompile|Recompil"):
+            compiled(x.double(), True, key="on")  # a new dtype: guarded, so caught
+    assert compiled.unguarded == 2
 
 
 def test_compile_without_a_cxx_compiler_is_a_config_error(monkeypatch):

@@ -25,6 +25,17 @@ parameters at each call, so in-place weight updates (``RolloutEngine.update_weig
 recompilation; the GEMMs are the module path's (q, k, v apart: the fused copies of
 :mod:`specrl.models.fused` check versions on the host, which a graph cannot).
 
+**Guard-free calls.**  Before running a graph, dynamo checks its guards: every parameter's
+size, stride and dtype, every input's, the symbolic-size relations — 50–350 µs a call here,
+a fifth of a batch-1 decode step.  Callers name each call's *graph class* (``key``: the
+host-side facts that choose the graph, e.g. "one sequence, one token").  Once a fully guarded
+call of a class has run without compiling, later calls of that class run under dynamo's
+``skip_guard_eval_unsafe`` stance: only the guards that ever told cached graphs apart are
+checked (the sizes that specialise, the model instance), which is exact as long as the key
+covers every host-side fact a graph depends on — the same bet vLLM makes when it dispatches
+to its compiled graphs without dynamo's guards.  Calls run fully guarded when the caller is
+inside another stance (``fail_on_recompile`` in the tests) or gives no key.
+
 On CPU inductor builds C++ and needs a compiler (``g++``); on CUDA it uses Triton.
 """
 
@@ -32,7 +43,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -58,39 +69,93 @@ def check_toolchain(device: torch.device) -> None:
 
 class Compiled:
     """``torch.compile(fn, dynamic=True)`` for the engine's shape-stable calls: counts the graphs
-    it compiles and names the way out when compilation fails."""
+    it compiles, skips guard evaluation for graph classes already served (module docstring) and
+    names the way out when compilation fails."""
 
-    def __init__(self, fn: Callable[..., Any], device: torch.device, what: str) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], device: torch.device, what: str, guard_free: bool = True
+    ) -> None:
         check_toolchain(device)
         import torch._dynamo  # the counters read in __call__
-        import torch.fx.experimental._config  # use_duck_shape, patched in __call__
+        import torch.fx.experimental._config  # use_duck_shape, set in __call__
 
         self._fn = torch.compile(fn, dynamic=True)
         self.what = what
         self.graphs = 0  # graphs dynamo compiled for this callable so far
+        self.guard_free = guard_free and _stances() is not None
+        self._served: set[Hashable] = set()  # graph classes a guarded call ran without compiling
+        self.unguarded = 0  # calls run with guard evaluation skipped
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, key: Hashable | None = None, **kwargs: Any) -> Any:
         counters = torch._dynamo.utils.counters["stats"]
         before = counters["unique_graphs"]
+        dynamo, fx = torch._dynamo.config, torch.fx.experimental._config
+        saved = dynamo.recompile_limit, fx.use_duck_shape
+        # dynamo's recompile limit counts the graphs of every model behind one code object in
+        # the process (tests, engines rebuilt on new models); each model needs ≈ 4.  No duck
+        # sizing: sizes that happen to be equal while a graph compiles (the batch and the KV
+        # heads, an input's storage offset) must not become one symbol whose guard fails, and
+        # recompiles, once they differ.  (Plain attribute writes: config.patch costs ≈ 30 µs.)
+        dynamo.recompile_limit, fx.use_duck_shape = max(saved[0], RECOMPILE_LIMIT), False
+        stance = None
+        if self.guard_free and key is not None and key in self._served:
+            stance = _skip_guards()
+            self.unguarded += stance is not None
         try:
-            # dynamo's recompile limit counts the graphs of every model behind one code object
-            # in the process (tests, engines rebuilt on new models); each model needs ≈ 4.
-            # No duck sizing: sizes that happen to be equal while a graph compiles (the batch
-            # and the KV heads, an input's storage offset) must not become one symbol whose
-            # guard fails, and recompiles, once they differ.
-            with (
-                torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT),
-                torch.fx.experimental._config.patch(use_duck_shape=False),
-            ):
-                out = self._fn(*args, **kwargs)
+            out = self._fn(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = e.inner_exception  # a SpecrlError: the CLI prints one line, not a traceback
             raise ConfigError(
                 f"torch.compile could not build {self.what} ({type(inner).__name__}: {inner})",
                 hint="run without --compile (RolloutEngine(compile=False))",
             ) from e
-        self.graphs += counters["unique_graphs"] - before
+        finally:
+            dynamo.recompile_limit, fx.use_duck_shape = saved
+            if stance is not None:
+                _stances()[1](stance)  # type: ignore[index]
+        compiled = counters["unique_graphs"] - before
+        self.graphs += compiled
+        if key is not None and stance is None and not compiled and _default_stance():
+            self._served.add(key)
         return out
+
+
+def _stances() -> tuple[Any, Callable[[Any], Any], type] | None:
+    """dynamo's stance hooks (module, setter, stance type); None where this torch lacks them
+    (guard-free calls then stay off).  ``torch.compiler.set_stance`` itself costs ≈ 200 µs a
+    call, more than the guards it would skip."""
+    from torch._dynamo import eval_frame
+
+    setter = getattr(eval_frame, "_set_stance", None)
+    kind = getattr(eval_frame, "DynamoStance", None)
+    if setter is None or kind is None or not hasattr(eval_frame, "_stance"):
+        return None
+    return eval_frame, setter, kind
+
+
+def _default_stance() -> bool:
+    """True in dynamo's default stance with full guards (not inside a test's stance)."""
+    hooks = _stances()
+    if hooks is None:
+        return False
+    current = hooks[0]._stance
+    return current.stance == "default" and not current.skip_guard_eval_unsafe
+
+
+_SKIP: dict[Any, Any] = {}  # default-stance backend → its guard-skipping twin
+
+
+def _skip_guards() -> Any | None:
+    """Enter the guard-skipping stance if the current one is the default; returns the stance
+    to restore (None: left as it was)."""
+    if not _default_stance():
+        return None
+    eval_frame, setter, kind = _stances()  # type: ignore[misc]
+    current = eval_frame._stance
+    skip = _SKIP.get(current.backend)
+    if skip is None:
+        skip = _SKIP[current.backend] = kind("default", True, current.backend)
+    return setter(skip)
 
 
 class CompiledDecode(Compiled):
@@ -102,4 +167,8 @@ class CompiledDecode(Compiled):
     def __call__(  # type: ignore[override]
         self, ids: torch.Tensor, layout: Any, cache: CacheBatch, taps: tuple[int, ...]
     ) -> ModelOutput:
-        return super().__call__(ids, layout, taps=taps, cache=cache)
+        # the graph class: the sizes that specialise (one sequence; one token each) and the
+        # host flags (functions of those two in the engine's padded steps, named for safety)
+        batch = cache.prefix_lens.shape[0]
+        key = (batch == 1, ids.shape[0] == batch, cache.slots_are_prefix, cache.full_rows)
+        return super().__call__(ids, layout, taps=taps, cache=cache, key=key)

@@ -246,7 +246,8 @@ class Eagle3Proposer:
                 full_rows=n == 1 if self._compiled else all(x == kv[0] for x in kv),
             )
             if self._compiled is not None:
-                h, logits = self._compiled(h, tok, self._ones(n), cache)
+                key = (n == 1, cache.slots_are_prefix, cache.full_rows)  # the graph class
+                h, logits = self._compiled(h, tok, self._ones(n), cache, key=key)
             else:
                 h, logits = self._chain_step(h, tok, self._ones(n), cache, fused=True)
         host = [t.tolist() for t in toks]  # one transfer per chain step, after the loop
