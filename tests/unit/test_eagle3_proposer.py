@@ -95,7 +95,9 @@ def _drafts_per_sequence(engine, requests):
 
     def recording(batch, ks):
         out = inner(batch, ks)
-        for seq, d in zip(batch, out, strict=True):
+        for seq, d, k in zip(batch, out, ks, strict=True):
+            if k == 0:  # passed along at its last token (the engine keeps batches whole)
+                continue
             h = prop._state[seq.seq_id].h_last.clone()
             seen.setdefault(seq.request_id, []).append((d.tokens, h))
         return out

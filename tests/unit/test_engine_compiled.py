@@ -170,6 +170,32 @@ def test_warmup_compiles_every_graph_class_and_leaves_no_other_trace():
 
 
 @needs_cxx
+def test_warmup_covers_the_eagle3_drafter_greedy_and_sampled():
+    target, draft = make_pair()
+    spec = SpecConfig(
+        proposers=("eagle3",), max_k=3, gate=False, proposer_options={"eagle3": {"draft": draft}}
+    )
+    engine = make_engine(target, max_batch_size=3, spec=spec, compile=True)
+    assert engine.warmup() > 0
+    eagle3 = engine.proposers["eagle3"]
+    graphs = eagle3.compiled_graphs
+    assert graphs > 0
+    # greedy and sampled rows mixed, batches of 1 to 3, chains cut short near max_tokens
+    params = [
+        greedy(12),
+        SamplingParams(max_tokens=9, temperature=0.8, seed=1, n=2),
+        SamplingParams(max_tokens=5, temperature=1.0, seed=2),
+        greedy(7),
+    ]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        out = engine.generate(requests(params))
+    assert eagle3.compiled_graphs == graphs
+    for i in (0, 4):
+        assert out[i].tokens == generate(target, [out[i].prompt_tokens], len(out[i].tokens))[0]
+    assert engine.stats()["spec"]["accepted"] > 0
+
+
+@needs_cxx
 def test_compilation_time_stays_out_of_the_gate_cost_model():
     """Steps that compile a graph take seconds; the gate's cost model must not see them (one
     such sample among milliseconds would make plain or speculative steps look slow for the

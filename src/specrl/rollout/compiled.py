@@ -14,9 +14,11 @@ the engine feeds the compiled forward steps of one structure whatever the batch:
 - the host flags are a function of (B, M) only: no mask for one sequence and one token,
   a causal mask built in the graph otherwise.
 
-The EAGLE-3 proposer compiles its chain step (one draft-layer pass and the draft logits for one
-token per sequence) with the same rules: sequences in slots 0..B−1, no mask for a single
-sequence.  Its catch-up pass over the newly committed positions stays eager.
+The EAGLE-3 proposer compiles its drafting round with the same rules: a first pass over the
+newly committed positions (padded to a uniform [B, M] block, M ≤ max k + 1; anything older is
+caught up eagerly first), then one pass per chain position (one token per sequence, no mask
+for a single sequence), each ending with the draft token picked on device; the whole batch
+stays in every pass, so the sequences keep slots 0..B−1.
 
 Sizes (B, M, the KV length) are symbolic (``dynamic=True``); sizes 1 specialise, so a run
 compiles about four graphs (B = 1 or more, M = 1 or more) and none afterwards.  Prefill stays

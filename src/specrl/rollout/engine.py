@@ -47,6 +47,7 @@ the K/V computed by the old weights (``Result.policy_versions`` says which versi
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections import Counter, deque
@@ -464,9 +465,10 @@ class RolloutEngine:
             for b, (seq, arm) in enumerate(zip(seqs, arms, strict=True)):
                 # never draft past max_tokens: k + 1 tokens can be emitted
                 caps[b] = min(arm.k, seq.params.max_tokens - len(seq.output) - 1)
-                if caps[b] > 0:
-                    asked.setdefault(arm.proposer, []).append(b)
-            for name, idx in asked.items():
+                asked.setdefault(arm.proposer, []).append(b)
+            for name, idx in asked.items():  # cap 0 included: a proposer may batch them along
+                if not any(caps[b] for b in idx):
+                    continue
                 t0 = self.clock()
                 got = self.proposers[name].propose([seqs[b] for b in idx], [caps[b] for b in idx])
                 spent = self.clock() - t0
@@ -822,9 +824,10 @@ class RolloutEngine:
 
     def warmup(self) -> int:
         """Compile the decode graphs now rather than in the first requests (``compile=True``;
-        a server calls it before it reports healthy).  Decodes two short synthetic requests —
-        one alone (batch 1), then one with two samples (batch 2) — once with the gate off (steps
-        with drafts, M > 1) and once without speculation (M = 1), then restores
+        a server calls it before it reports healthy).  Decodes short synthetic requests — one
+        alone (batch 1), then one with two samples (batch 2), greedy and sampled (a drafter's
+        graphs differ) — once with the gate off (steps with drafts, M > 1) and once without
+        speculation (M = 1), then restores
         the decision state and counters (:meth:`state_dict`): only the compiled graphs remain.
         Returns the number of graphs compiled (0 for an eager engine)."""
         if self._compiled is None:
@@ -840,8 +843,8 @@ class RolloutEngine:
             return 0
         bandit = self.controller.bandit
         try:
-            for n in (1, 2):
-                params = SamplingParams(max_tokens=max_tokens, temperature=0.0, n=n)
+            for n, temperature in itertools.product((1, 2), (0.0, 1.0)):
+                params = SamplingParams(max_tokens=max_tokens, temperature=temperature, n=n)
                 # speculating steps (gate off) where there are proposers, then plain ones (no
                 # bandit: every step plain), whose M = 1 the speculating run may never reach
                 for spec in (True, False) if bandit is not None else (False,):

@@ -16,6 +16,9 @@ Life of a sequence, as a proposer sees it (all calls come from the engine thread
    ``[sum(committed), H]`` detached hidden states of those positions (decoder layer outputs,
    SpecForge convention), sequences in batch order; ``None`` when no proposer asked for taps.
 3. ``propose(batch, ks)``: draft at most ``ks[b]`` tokens continuing ``batch[b].tokens``.
+   ``ks[b]`` may be 0 (the sequence is one token from its limit): it drafts nothing, but the
+   engine passes every sequence of the step that chose this proposer, so a batched drafter can
+   keep its batch whole (EAGLE-3's compiled passes keep the engine's slots 0..B−1).
 4. ``release(seq)``: the sequence finished (its slot is reused); free per-sequence state.
 
 Between steps the engine may **move** running sequences to other slots (it keeps the occupied

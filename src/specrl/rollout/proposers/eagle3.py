@@ -13,7 +13,12 @@ State per sequence lives in the draft's slot KV cache (same slot as the target's
 
 Greedy requests get argmax drafts (one-hot q); sampled requests draw d_j from
 q = softmax(draft logits / temperature) with the sequence's generator and report q (over the
-target vocabulary, zero outside the draft vocabulary) so the verifier's ratio test stays exact.
+target vocabulary, zero outside the draft vocabulary; float32, or float64 for a float64 draft)
+so the verifier's ratio test stays exact.
+
+With ``ProposerContext.compile`` a round runs as compiled passes (:meth:`_propose_compiled`):
+one for the newest main entries and d_1, one per further chain position, each picking its
+tokens on device — the drafts, q and generator draws of the eager round.
 
 The draft shares the target's embedding by reference, so in-place policy updates reach it; new
 draft weights arrive through ``load_weights`` (engine ``update_weights(draft=…)``).
@@ -58,13 +63,18 @@ class Eagle3Proposer:
         self._to_target = draft.draft_to_target
         self._state: dict[int, _State] = {}
         self._one_layouts: dict[int, PackedLayout] = {}
-        self._compiled = None
-        if ctx.compile:  # the chain step under torch.compile (specrl.rollout.compiled)
-            self._compiled = Compiled(self._chain_step, self.device, "the eagle3 chain step")
+        self._compiled = self._compiled_start = None
+        if ctx.compile:  # the round's passes under torch.compile (specrl.rollout.compiled)
+            self._compiled = Compiled(self._chain_draw, self.device, "the eagle3 chain step")
+            self._compiled_start = Compiled(
+                self._start_draw, self.device, "the eagle3 catch-up step"
+            )
 
     @property
     def compiled_graphs(self) -> int:
-        return 0 if self._compiled is None else self._compiled.graphs
+        if self._compiled is None or self._compiled_start is None:
+            return 0
+        return self._compiled.graphs + self._compiled_start.graphs
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self, seq: SeqState) -> None:
@@ -123,21 +133,28 @@ class Eagle3Proposer:
                 st.pending.append((feats, start, start + c))  # sliced when caught up
             start += c
 
-    def _catch_up(self, seqs: list[SeqState]) -> None:
-        """Step-0 passes over every queued position of ``seqs`` in one packed forward."""
-        todo = [s for s in seqs if self._state[s.seq_id].pending]
-        if not todo:
-            return
-        feats, ids, lens, prefix = [], [], [], []
-        for s in todo:
-            chunks = [f[a:b] for f, a, b in self._state[s.seq_id].pending]
+    def _catch_up(self, seqs: list[SeqState], keep: int = 0) -> None:
+        """Step-0 passes over the queued positions of ``seqs`` in one packed forward, all but
+        each sequence's last ``keep`` (left queued for the compiled round's first pass)."""
+        todo, feats, ids, lens, prefix = [], [], [], [], []
+        for s in seqs:
+            st = self._state[s.seq_id]
+            if not st.pending:
+                continue
+            chunks = [f[a:b] for f, a, b in st.pending]
             rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-            n = rows.shape[0]
-            first = s.kv_len - n  # positions first … kv_len − 1, next tokens known
-            feats.append(rows)
-            ids.extend(s.tokens[first + 1 : s.kv_len + 1])  # x_{t+1} for each position t
+            first = s.kv_len - rows.shape[0]  # positions first … kv_len − 1, next tokens known
+            n = rows.shape[0] - keep  # the positions done here
+            if n <= 0:
+                continue
+            st.pending = [(rows, n, rows.shape[0])] if keep else []
+            todo.append(s)
+            feats.append(rows[:n])
+            ids.extend(s.tokens[first + 1 : first + n + 1])  # x_{t+1} for each position t
             lens.append(n)
             prefix.append(first)
+        if not todo:
+            return
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
@@ -152,11 +169,12 @@ class Eagle3Proposer:
             device=self.device,
         )
         layout = PackedLayout(t_cu, t_pos, max(lens), t_seq)
-        cache = CacheBatch(self.cache, t_slots, t_prefix, max(s.kv_len for s in todo))
+        ends = [p + n for p, n in zip(prefix, lens, strict=True)]
+        cache = CacheBatch(self.cache, t_slots, t_prefix, max(ends))
         h = self.draft.decode(self.draft.project(torch.cat(feats)), t_ids, layout, cache)
-        for s, h_last in zip(todo, h.index_select(0, t_last), strict=True):
+        for s, h_last, end in zip(todo, h.index_select(0, t_last), ends, strict=True):
             st = self._state[s.seq_id]
-            st.h_last, st.main_len, st.pending = h_last, s.kv_len, []
+            st.h_last, st.main_len = h_last, end
 
     # ------------------------------------------------------------------ chain drafting
     def _pick(
@@ -177,12 +195,12 @@ class Eagle3Proposer:
         every = len(sampled) == len(seqs)  # all rows sampled: no row selection needed
         rows = None if every else torch.tensor(sampled, device=logits.device)
         x = logits if rows is None else logits[rows]
-        q_d = torch.softmax(x.float() / temps[:, None], dim=-1)  # [S, Vd]
+        q_d = torch.softmax(_wide(x) / temps[:, None], dim=-1)  # [S, Vd]
         u = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in sampled])
         cdf = q_d.cumsum(-1)
         pick = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None])[:, 0]
         pick = pick.clamp(max=q_d.shape[-1] - 1)
-        q = logits.new_zeros(len(seqs), self.vocab, dtype=torch.float32)
+        q = q_d.new_zeros(len(seqs), self.vocab)
         if rows is None:
             ids = pick
             q[:, self._to_target] = q_d
@@ -200,6 +218,11 @@ class Eagle3Proposer:
             for b, (s, k) in enumerate(zip(batch, ks, strict=True))
             if k > 0 and s.seq_id in self._state
         ]
+        # compiled passes when every sequence has new taps queued (always after its first
+        # verification); otherwise (a sequence the drafter never saw) the eager round below
+        pending = all(self._state.get(s.seq_id, _State()).pending for s in batch)
+        if self._compiled is not None and live and pending:
+            return self._propose_compiled(batch, ks)
         self._catch_up([batch[b] for b in live])
         live = [b for b in live if self._state[batch[b].seq_id].h_last is not None]
         if not live:
@@ -241,15 +264,9 @@ class Eagle3Proposer:
                 prefix[:n] + step,
                 max(kv) + step + 1,
                 slots_are_prefix=all(s.slot == i for i, s in enumerate(seqs[:n])),
-                # one token each at one position: no mask (compiled: for one sequence only, so
-                # the flag follows the shape and aligned prefixes compile no extra graph)
-                full_rows=n == 1 if self._compiled else all(x == kv[0] for x in kv),
+                full_rows=all(x == kv[0] for x in kv),  # one token each at one position
             )
-            if self._compiled is not None:
-                key = (n == 1, cache.slots_are_prefix, cache.full_rows)  # the graph class
-                h, logits = self._compiled(h, tok, self._ones(n), cache, key=key)
-            else:
-                h, logits = self._chain_step(h, tok, self._ones(n), cache, fused=True)
+            h, logits = self._chain_step(h, tok, self._ones(n), cache, fused=True)
         host = [t.tolist() for t in toks]  # one transfer per chain step, after the loop
         for r, b in enumerate(live):
             out[b].tokens = [host[j][r] for j in range(min(steps[r], len(host)))]
@@ -257,6 +274,162 @@ class Eagle3Proposer:
             if rows and batch[b].params.temperature > 0:
                 out[b].probs = rows[0] if len(rows) == 1 else torch.cat(rows)
         return out
+
+    def _propose_compiled(self, batch: list[SeqState], ks: list[int]) -> list[Draft]:
+        """One drafting round in compiled passes (``ProposerContext.compile``).
+
+        Every sequence of the batch takes part, in batch order (the engine's slots 0..B−1),
+        for the longest chain asked; shorter chains' extra tokens are dropped (their cache rows
+        lie past the committed length, like padding), so the batch, and the graph class, stay
+        fixed through the round.  First pass: the step-0 entries of each sequence's newest
+        positions (at most max_k + 1; older ones, after a prefill or while the gate was off,
+        are caught up eagerly first), padded to a uniform [B, M ≥ 2] block like the target's
+        decode steps (padded rows write cache rows past the committed length, which the chain
+        overwrites before anything reads them), then the draft logits at the last real position
+        and d_1.  Then one pass per chain position.  Tokens are picked on device (uniforms
+        drawn on the host from each sequence's generator, one per pass, as the eager path
+        draws them).  Graph classes: one sequence or more, slots 0..B−1 or not, greedy only or
+        some sampled.
+        """
+        out = [Draft([]) for _ in batch]
+        steps = [min(k, self.max_k) for k in ks]
+        self._catch_up(batch, keep=self.max_k + 1)  # older positions (prefill, gate-off spells)
+        tails = []
+        for s in batch:
+            st = self._state[s.seq_id]
+            chunks = [f[a:b] for f, a, b in st.pending]
+            tails.append(chunks[0] if len(chunks) == 1 else torch.cat(chunks))
+            st.pending = []
+        lens = [t.shape[0] for t in tails]
+        width = max(2, *lens)  # M ≥ 2: no M = 1 graph class
+        first = [s.kv_len - n for s, n in zip(batch, lens, strict=True)]
+        ids = []
+        for s, a, n in zip(batch, first, lens, strict=True):
+            ids += s.tokens[a + 1 : a + n + 1] + [0] * (width - n)
+        feats = torch.cat(
+            [x for t in tails for x in (t, t.new_zeros(width - t.shape[0], t.shape[1]))]
+        )
+        size = len(batch)
+        slots_are_prefix = all(s.slot == i for i, s in enumerate(batch))
+        greedy = [s.params.temperature <= 0 for s in batch]
+        t_ids, t_cu, t_pos, t_seq, t_slots, t_first, t_last, t_kv, t_greedy = _int_tensors(
+            ids,
+            [b * width for b in range(size + 1)],
+            [j for _ in batch for j in range(width)],
+            [b for b in range(size) for _ in range(width)],
+            [s.slot for s in batch],
+            first,
+            [b * width + n - 1 for b, n in enumerate(lens)],
+            [s.kv_len for s in batch],
+            greedy,
+            device=self.device,
+        )
+        t_greedy = t_greedy.bool()
+        temps = torch.tensor(
+            [1.0 if g else s.params.temperature for s, g in zip(batch, greedy, strict=True)],
+            device=self.device,
+        )
+        sampled = not all(greedy)
+        key = (size == 1, slots_are_prefix, sampled)  # the graph class of every pass
+        cache = CacheBatch(
+            self.cache, t_slots, t_first, max(first) + width, slots_are_prefix=slots_are_prefix
+        )
+        h, tok, q = self._compiled_start(  # type: ignore[misc]
+            feats, t_ids, PackedLayout(t_cu, t_pos, width, t_seq), cache, t_last, temps,
+            self._uniforms(batch, greedy, steps, 0), t_greedy, sampled, key=key,
+        )  # fmt: skip
+        for s, h_last in zip(batch, h.unbind(0), strict=True):
+            st = self._state[s.seq_id]
+            st.h_last, st.main_len = h_last, s.kv_len
+        toks, qs = [tok], [q]
+        kv = max(s.kv_len for s in batch)
+        for j in range(1, max(steps)):  # chain position j: d_j in, d_{j+1} out
+            cache = CacheBatch(
+                self.cache,
+                t_slots,
+                t_kv + (j - 1),
+                kv + j,
+                slots_are_prefix=slots_are_prefix,
+                full_rows=size == 1,  # the flag follows the shape: aligned prefixes, same graph
+            )
+            h, tok, q = self._compiled(  # type: ignore[misc]
+                h, tok, self._ones(size), cache, temps, self._uniforms(batch, greedy, steps, j),
+                t_greedy, sampled, key=key,
+            )  # fmt: skip
+            toks.append(tok)
+            qs.append(q)
+        host = torch.stack(toks, 1).tolist()  # [B, K]: one transfer for the round
+        probs = None if qs[0] is None else torch.stack(qs, 1)  # [B, K, V]
+        for r, d in enumerate(out):
+            d.tokens = host[r][: steps[r]]
+            if probs is not None and not greedy[r] and d.tokens:
+                d.probs = probs[r, : steps[r]]
+        return out
+
+    def _uniforms(self, seqs: list[SeqState], greedy: list[bool], steps: list[int], j: int):
+        """[B] uniforms of pass j: one from its own generator for each sampled sequence whose
+        chain reaches d_{j+1} (as many draws as the eager path makes), 0 elsewhere."""
+        return torch.cat(
+            [
+                torch.rand(1, generator=s.generator) if not g and j < k else torch.zeros(1)
+                for s, g, k in zip(seqs, greedy, steps, strict=True)
+            ]
+        ).to(self.device)
+
+    def _draw(
+        self,
+        logits: torch.Tensor,  # [B, Vd]
+        temps: torch.Tensor,  # [B] temperatures (1 for greedy rows)
+        u: torch.Tensor,  # [B] uniforms (ignored for greedy rows)
+        greedy: torch.Tensor,  # [B] bool
+        sampled: bool,  # host flag: some row samples
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`_pick` on device for a compiled pass: target ids [B] and q [B, V] (None when
+        every row is greedy; rows of greedy sequences hold an unused softmax)."""
+        ids = logits.argmax(-1)
+        if not sampled:
+            return self._to_target[ids], None
+        q_d = torch.softmax(_wide(logits) / temps[:, None], dim=-1)
+        cdf = q_d.cumsum(-1)
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None])[:, 0]
+        ids = torch.where(greedy, ids, pick.clamp(max=q_d.shape[-1] - 1))
+        q = q_d.new_zeros(logits.shape[0], self.vocab)
+        q[:, self._to_target] = q_d
+        return self._to_target[ids], q
+
+    def _start_draw(
+        self,
+        feats: torch.Tensor,
+        ids: torch.Tensor,
+        layout: PackedLayout,
+        cache: CacheBatch,
+        last: torch.Tensor,
+        temps: torch.Tensor,
+        u: torch.Tensor,
+        greedy: torch.Tensor,
+        sampled: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Compiled: step-0 entries of the padded newest positions, then d_1 at the last ones."""
+        h = self.draft.decode(self.draft.project(feats), ids, layout, cache, fused=False)
+        h = h.index_select(0, last)
+        tok, q = self._draw(self.draft.logits(h), temps, u, greedy, sampled)
+        return h, tok, q
+
+    def _chain_draw(
+        self,
+        h: torch.Tensor,
+        tok: torch.Tensor,
+        layout: PackedLayout,
+        cache: CacheBatch,
+        temps: torch.Tensor,
+        u: torch.Tensor,
+        greedy: torch.Tensor,
+        sampled: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Compiled: chain position j → j + 1 and the draft token d_{j+1}."""
+        h, logits = self._chain_step(h, tok, layout, cache)
+        tok, q = self._draw(logits, temps, u, greedy, sampled)
+        return h, tok, q
 
     def _chain_step(
         self,
@@ -276,6 +449,11 @@ class Eagle3Proposer:
         if layout is None:
             layout = self._one_layouts[n] = PackedLayout.from_lengths([1] * n, device=self.device)
         return layout
+
+
+def _wide(logits: torch.Tensor) -> torch.Tensor:
+    """Logits in float32 at least (float64 stays: the tests' exact references)."""
+    return logits if logits.dtype == torch.float64 else logits.float()
 
 
 def _int_tensors(*parts: list[int], device: torch.device) -> list[torch.Tensor]:
