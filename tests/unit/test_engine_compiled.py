@@ -79,7 +79,8 @@ def test_compiled_graphs_are_reused_across_batch_shapes(model):
     spec = SpecConfig(proposers=("ngram", "test-garbage"), max_k=4, gate=False)
     engine = make_engine(model, max_batch_size=4, spec=spec, compile=True)
     engine.generate(requests(MIXED))  # warm-up: B = 1 and B > 1, M = 1 and M > 1
-    assert engine.stats()["compiled_graphs"] <= 4
+    assert engine._compiled.graphs <= 4  # the decode step's graphs
+    assert engine._compiled_decide.graphs <= 4  # and the verification's
     # new batch sizes, draft lengths, KV lengths and prompts: no graph may be compiled
     later = [SamplingParams(max_tokens=m, temperature=0.0, n=n) for m, n in [(30, 3), (5, 1)]]
     with torch.compiler.set_stance("fail_on_recompile"):

@@ -52,8 +52,9 @@ import torch
 
 from specrl.errors import ConfigError
 from specrl.models.decoder import CacheBatch, ModelOutput, Transformer
+from specrl.rollout.verify import decide
 
-__all__ = ["Compiled", "CompiledDecode", "check_toolchain"]
+__all__ = ["Compiled", "CompiledDecide", "CompiledDecode", "check_toolchain"]
 
 RECOMPILE_LIMIT = 64
 
@@ -174,3 +175,28 @@ class CompiledDecode(Compiled):
         batch = cache.prefix_lens.shape[0]
         key = (batch == 1, ids.shape[0] == batch, cache.slots_are_prefix, cache.full_rows)
         return super().__call__(ids, layout, taps=taps, cache=cache, key=key)
+
+
+class CompiledDecide(Compiled):
+    """:func:`specrl.rollout.verify.decide` (verification and logprobs) compiled for the padded
+    decode steps; the processed distribution p comes in (its host flags depend on the requests'
+    sampling parameters, and would multiply the graph classes)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(decide, device, "the verification step")
+
+    def __call__(  # type: ignore[override]
+        self,
+        probs: torch.Tensor,
+        logits: torch.Tensor,
+        draft_tokens: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        uniforms: torch.Tensor,
+        row_index: torch.Tensor,
+        num_drafts: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        # the graph class: one sequence; drafts in the step (K + 1 > 1); q given or one-hot
+        key = (row_index.shape[0] == 1, row_index.shape[1] == 1, draft_probs is None)
+        return super().__call__(
+            probs, logits, draft_tokens, draft_probs, uniforms, row_index, num_drafts, key=key
+        )

@@ -61,7 +61,7 @@ from specrl.core.attention import PackedLayout
 from specrl.errors import CheckpointError, ConfigError
 from specrl.models.decoder import CacheBatch, Transformer
 from specrl.models.tokenizer import TextCodec
-from specrl.rollout.compiled import CompiledDecode
+from specrl.rollout.compiled import CompiledDecide, CompiledDecode
 from specrl.rollout.gating import Arm, SpecController
 from specrl.rollout.metrics import AcceptanceAlarm, SpecStats
 from specrl.rollout.proposers import (
@@ -78,7 +78,7 @@ from specrl.rollout.sampling import (
     sampling_probs,
     sequence_generator,
 )
-from specrl.rollout.verify import emitted_logprobs, verify
+from specrl.rollout.verify import decide
 
 
 @dataclass
@@ -226,6 +226,7 @@ class RolloutEngine:
         if spec.max_k < 1:
             raise ConfigError(f"max k must be ≥ 1, got {spec.max_k}")
         self._compiled = CompiledDecode(model) if compile else None
+        self._compiled_decide = CompiledDecide(model.device) if compile else None
         # padded decode rows write K/V up to max_k positions past a sequence's last: spare rows
         spare = spec.max_k if compile and spec.proposers else 0
         self.cache = model.new_cache(max_batch_size, self.max_model_len + spare)
@@ -651,18 +652,13 @@ class RolloutEngine:
             self._decode_forwards += 1
         logits = out.logits  # [R, V]
         probs = sampling_probs(logits, t["params"])  # [R, V]
-        ver = verify(
-            probs,
-            t["draft_tokens"],
-            t.get("draft_probs"),
-            t["uniforms"],
-            t["row_index"],
-            t["num_drafts"],
-        )
-        sampled_lp, policy_lp = emitted_logprobs(probs, logits, t["row_index"], ver.tokens)
+        args = (t["draft_tokens"], t.get("draft_probs"), t["uniforms"])
+        args += (t["row_index"], t["num_drafts"])
+        step = self._compiled_decide if t["padded"] else decide
+        tokens, num_accepted, sampled_lp, policy_lp = step(probs, logits, *args)  # type: ignore[misc]
         launch.out = {
-            "tokens": ver.tokens,  # [B, K+1]
-            "num_accepted": ver.num_accepted,  # [B]
+            "tokens": tokens,  # [B, K+1]
+            "num_accepted": num_accepted,  # [B]
             "logprobs": sampled_lp,  # [B, K+1]
             "policy_logprobs": policy_lp,  # [B, K+1]
             "taps": out.taps,  # layer → [T, H]
@@ -863,7 +859,7 @@ class RolloutEngine:
         if self._compiled is None:
             return None
         extra = sum(getattr(p, "compiled_graphs", 0) for p in self.proposers.values())
-        return self._compiled.graphs + extra
+        return self._compiled.graphs + self._compiled_decide.graphs + extra  # type: ignore[union-attr]
 
     @property
     def takes_draft_weights(self) -> bool:

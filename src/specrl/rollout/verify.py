@@ -92,3 +92,19 @@ def emitted_logprobs(
     sampled = probs[row_index, tokens].log()  # [B, K+1]
     policy = logits[row_index, tokens] - torch.logsumexp(logits, dim=-1)[row_index]  # [B, K+1]
     return sampled, policy
+
+
+def decide(
+    probs: torch.Tensor,  # [R, V] processed target distribution p of every verified row
+    logits: torch.Tensor,  # [R, V] raw target logits
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    uniforms: torch.Tensor,
+    row_index: torch.Tensor,
+    num_drafts: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`verify` then :func:`emitted_logprobs`: (tokens [B, K+1], num_accepted [B],
+    log p [B, K+1], policy log-softmax [B, K+1]), one function for the engine to compile."""
+    ver = verify(probs, draft_tokens, draft_probs, uniforms, row_index, num_drafts)
+    sampled, policy = emitted_logprobs(probs, logits, row_index, ver.tokens)
+    return ver.tokens, ver.num_accepted, sampled, policy
