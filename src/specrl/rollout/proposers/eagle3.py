@@ -366,7 +366,9 @@ class Eagle3Proposer:
                 d.probs = probs[r, : steps[r]]
         return out
 
-    def _uniforms(self, seqs: list[SeqState], greedy: list[bool], steps: list[int], j: int):
+    def _uniforms(
+        self, seqs: list[SeqState], greedy: list[bool], steps: list[int], j: int
+    ) -> torch.Tensor:
         """[B] uniforms of pass j: one from its own generator for each sampled sequence whose
         chain reaches d_{j+1} (as many draws as the eager path makes), 0 elsewhere."""
         return torch.cat(
