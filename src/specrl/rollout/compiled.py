@@ -52,9 +52,8 @@ import torch
 
 from specrl.errors import ConfigError
 from specrl.models.decoder import CacheBatch, ModelOutput, Transformer
-from specrl.rollout.verify import decide
 
-__all__ = ["Compiled", "CompiledDecide", "CompiledDecode", "check_toolchain"]
+__all__ = ["Compiled", "CompiledDecode", "check_toolchain"]
 
 RECOMPILE_LIMIT = 64
 
@@ -75,9 +74,7 @@ class Compiled:
     it compiles, skips guard evaluation for graph classes already served (module docstring) and
     names the way out when compilation fails."""
 
-    def __init__(
-        self, fn: Callable[..., Any], device: torch.device, what: str, guard_free: bool = True
-    ) -> None:
+    def __init__(self, fn: Callable[..., Any], device: torch.device, what: str) -> None:
         check_toolchain(device)
         import torch._dynamo  # the counters read in __call__
         import torch.fx.experimental._config  # use_duck_shape, set in __call__
@@ -85,7 +82,7 @@ class Compiled:
         self._fn = torch.compile(fn, dynamic=True)
         self.what = what
         self.graphs = 0  # graphs dynamo compiled for this callable so far
-        self.guard_free = guard_free and _stances() is not None
+        self.guard_free = _STANCES is not None  # this torch has the hooks
         self._served: set[Hashable] = set()  # graph classes a guarded call ran without compiling
         self.unguarded = 0  # calls run with guard evaluation skipped
 
@@ -115,7 +112,7 @@ class Compiled:
         finally:
             dynamo.recompile_limit, fx.use_duck_shape = saved
             if stance is not None:
-                _stances()[1](stance)  # type: ignore[index]
+                _STANCES[1](stance)  # type: ignore[index]
         compiled = counters["unique_graphs"] - before
         self.graphs += compiled
         if key is not None and stance is None and not compiled and _default_stance():
@@ -123,7 +120,7 @@ class Compiled:
         return out
 
 
-def _stances() -> tuple[Any, Callable[[Any], Any], type] | None:
+def _stance_hooks() -> tuple[Any, Callable[[Any], Any], type] | None:
     """dynamo's stance hooks (module, setter, stance type); None where this torch lacks them
     (guard-free calls then stay off).  ``torch.compiler.set_stance`` itself costs ≈ 200 µs a
     call, more than the guards it would skip."""
@@ -136,12 +133,14 @@ def _stances() -> tuple[Any, Callable[[Any], Any], type] | None:
     return eval_frame, setter, kind
 
 
+_STANCES = _stance_hooks()
+
+
 def _default_stance() -> bool:
     """True in dynamo's default stance with full guards (not inside a test's stance)."""
-    hooks = _stances()
-    if hooks is None:
+    if _STANCES is None:
         return False
-    current = hooks[0]._stance
+    current = _STANCES[0]._stance
     return current.stance == "default" and not current.skip_guard_eval_unsafe
 
 
@@ -153,7 +152,7 @@ def _skip_guards() -> Any | None:
     to restore (None: left as it was)."""
     if not _default_stance():
         return None
-    eval_frame, setter, kind = _stances()  # type: ignore[misc]
+    eval_frame, setter, kind = _STANCES  # type: ignore[misc]
     current = eval_frame._stance
     skip = _SKIP.get(current.backend)
     if skip is None:
@@ -175,28 +174,3 @@ class CompiledDecode(Compiled):
         batch = cache.prefix_lens.shape[0]
         key = (batch == 1, ids.shape[0] == batch, cache.slots_are_prefix, cache.full_rows)
         return super().__call__(ids, layout, taps=taps, cache=cache, key=key)
-
-
-class CompiledDecide(Compiled):
-    """:func:`specrl.rollout.verify.decide` (verification and logprobs) compiled for the padded
-    decode steps; the processed distribution p comes in (its host flags depend on the requests'
-    sampling parameters, and would multiply the graph classes)."""
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(decide, device, "the verification step")
-
-    def __call__(  # type: ignore[override]
-        self,
-        probs: torch.Tensor,
-        logits: torch.Tensor,
-        draft_tokens: torch.Tensor,
-        draft_probs: torch.Tensor | None,
-        uniforms: torch.Tensor,
-        row_index: torch.Tensor,
-        num_drafts: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        # the graph class: one sequence; drafts in the step (K + 1 > 1); q given or one-hot
-        key = (row_index.shape[0] == 1, row_index.shape[1] == 1, draft_probs is None)
-        return super().__call__(
-            probs, logits, draft_tokens, draft_probs, uniforms, row_index, num_drafts, key=key
-        )

@@ -61,7 +61,7 @@ from specrl.core.attention import PackedLayout
 from specrl.errors import CheckpointError, ConfigError
 from specrl.models.decoder import CacheBatch, Transformer
 from specrl.models.tokenizer import TextCodec
-from specrl.rollout.compiled import CompiledDecide, CompiledDecode
+from specrl.rollout.compiled import Compiled, CompiledDecode
 from specrl.rollout.gating import Arm, SpecController
 from specrl.rollout.metrics import AcceptanceAlarm, SpecStats
 from specrl.rollout.proposers import (
@@ -226,7 +226,11 @@ class RolloutEngine:
         if spec.max_k < 1:
             raise ConfigError(f"max k must be ≥ 1, got {spec.max_k}")
         self._compiled = CompiledDecode(model) if compile else None
-        self._compiled_decide = CompiledDecide(model.device) if compile else None
+        # verification and logprobs (the processed p comes in: its flags follow the requests'
+        # sampling parameters and would multiply the graph classes)
+        self._compiled_decide = (
+            Compiled(decide, model.device, "the verification step") if compile else None
+        )
         # padded decode rows write K/V up to max_k positions past a sequence's last: spare rows
         spare = spec.max_k if compile and spec.proposers else 0
         self.cache = model.new_cache(max_batch_size, self.max_model_len + spare)
@@ -652,10 +656,14 @@ class RolloutEngine:
             self._decode_forwards += 1
         logits = out.logits  # [R, V]
         probs = sampling_probs(logits, t["params"])  # [R, V]
-        args = (t["draft_tokens"], t.get("draft_probs"), t["uniforms"])
-        args += (t["row_index"], t["num_drafts"])
-        step = self._compiled_decide if t["padded"] else decide
-        tokens, num_accepted, sampled_lp, policy_lp = step(probs, logits, *args)  # type: ignore[misc]
+        rows, q = t["row_index"], t.get("draft_probs")
+        args = (t["draft_tokens"], q, t["uniforms"], rows, t["num_drafts"])
+        if t["padded"]:  # graph class: one sequence; drafts in the step; q given or one-hot
+            key = (rows.shape[0] == 1, rows.shape[1] == 1, q is None)
+            decided = self._compiled_decide(probs, logits, *args, key=key)  # type: ignore[misc]
+        else:
+            decided = decide(probs, logits, *args)
+        tokens, num_accepted, sampled_lp, policy_lp = decided
         launch.out = {
             "tokens": tokens,  # [B, K+1]
             "num_accepted": num_accepted,  # [B]

@@ -177,39 +177,6 @@ class Eagle3Proposer:
             st.h_last, st.main_len = h_last, end
 
     # ------------------------------------------------------------------ chain drafting
-    def _pick(
-        self,
-        logits: torch.Tensor,  # [B, Vd] draft-vocabulary logits
-        seqs: list[SeqState],
-        sampled: list[int],  # rows of sampled (temperature > 0) sequences
-        temps: torch.Tensor | None,  # [len(sampled)] their temperatures
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One draft token per row of draft-vocab logits [B, Vd], all rows at once.
-
-        Greedy rows take the argmax (one-hot q); sampled rows draw by inverse CDF from
-        q = softmax(logits / temperature) with one uniform from the sequence's own generator.
-        Returns target ids [B] and q [B, V] over the target vocabulary (None when all greedy).
-        """
-        if not sampled:
-            return self._to_target[logits.argmax(-1)], None
-        every = len(sampled) == len(seqs)  # all rows sampled: no row selection needed
-        rows = None if every else torch.tensor(sampled, device=logits.device)
-        x = logits if rows is None else logits[rows]
-        q_d = torch.softmax(_wide(x) / temps[:, None], dim=-1)  # [S, Vd]
-        u = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in sampled])
-        cdf = q_d.cumsum(-1)
-        pick = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None])[:, 0]
-        pick = pick.clamp(max=q_d.shape[-1] - 1)
-        q = q_d.new_zeros(len(seqs), self.vocab)
-        if rows is None:
-            ids = pick
-            q[:, self._to_target] = q_d
-        else:
-            ids = logits.argmax(-1)  # [B]
-            ids[rows] = pick
-            q[rows[:, None], self._to_target[None, :]] = q_d
-        return self._to_target[ids], q
-
     @torch.no_grad()
     def propose(self, batch: list[SeqState], ks: list[int]) -> list[Draft]:
         out = [Draft([]) for _ in batch]
@@ -232,22 +199,20 @@ class Eagle3Proposer:
         live.sort(key=lambda b: -min(ks[b], self.max_k))
         seqs = [batch[b] for b in live]
         steps = [min(ks[b], self.max_k) for b in live]
-        sampled = [i for i, s in enumerate(seqs) if s.params.temperature > 0]
-        temps = (
-            torch.tensor([seqs[i].params.temperature for i in sampled], device=self.device)
-            if sampled
-            else None
+        greedy = [s.params.temperature <= 0 for s in seqs]
+        temps = self._temperatures(seqs, greedy)
+        slots, prefix, t_greedy = _int_tensors(
+            [s.slot for s in seqs], [s.kv_len for s in seqs], greedy, device=self.device
         )
-        slots, prefix = _int_tensors(
-            [s.slot for s in seqs], [s.kv_len for s in seqs], device=self.device
-        )
+        t_greedy = t_greedy.bool()
         h = torch.stack([self._state[s.seq_id].h_last for s in seqs])  # [B, H]
         toks: list[torch.Tensor] = []  # per chain step j: [n_j] target ids of the first n_j rows
         qs: list[torch.Tensor | None] = []
         n = len(seqs)
         logits = self.draft.logits(h)
         for step in range(steps[0]):
-            tok, q = self._pick(logits, seqs[:n], sampled, temps)
+            u = self._uniforms(seqs[:n], greedy[:n], steps[:n], step)
+            tok, q = self._draw(logits, temps[:n], u, t_greedy[:n], not all(greedy[:n]))
             toks.append(tok)
             qs.append(q)
             n = sum(1 for k in steps if k > step + 1)
@@ -255,8 +220,6 @@ class Eagle3Proposer:
                 break
             if n < len(toks[-1]):  # some chains ended: keep the first n rows
                 h, tok = h[:n], tok[:n]
-                sampled = [i for i in sampled if i < n]
-                temps = None if temps is None else temps[: len(sampled)]
             kv = [s.kv_len for s in seqs[:n]]
             cache = CacheBatch(
                 self.cache,
@@ -325,10 +288,7 @@ class Eagle3Proposer:
             device=self.device,
         )
         t_greedy = t_greedy.bool()
-        temps = torch.tensor(
-            [1.0 if g else s.params.temperature for s, g in zip(batch, greedy, strict=True)],
-            device=self.device,
-        )
+        temps = self._temperatures(batch, greedy)
         sampled = not all(greedy)
         key = (size == 1, slots_are_prefix, sampled)  # the graph class of every pass
         cache = CacheBatch(
@@ -366,6 +326,11 @@ class Eagle3Proposer:
                 d.probs = probs[r, : steps[r]]
         return out
 
+    def _temperatures(self, seqs: list[SeqState], greedy: list[bool]) -> torch.Tensor:
+        """[B] sampling temperatures (1 for greedy rows, whose draws are argmax anyway)."""
+        temps = [1.0 if g else s.params.temperature for s, g in zip(seqs, greedy, strict=True)]
+        return torch.tensor(temps, device=self.device)
+
     def _uniforms(
         self, seqs: list[SeqState], greedy: list[bool], steps: list[int], j: int
     ) -> torch.Tensor:
@@ -386,8 +351,11 @@ class Eagle3Proposer:
         greedy: torch.Tensor,  # [B] bool
         sampled: bool,  # host flag: some row samples
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`_pick` on device for a compiled pass: target ids [B] and q [B, V] (None when
-        every row is greedy; rows of greedy sequences hold an unused softmax)."""
+        """One draft token per row of draft-vocab logits [B, Vd], all rows at once, on device:
+        greedy rows take the argmax (one-hot q); sampled rows draw by inverse CDF from
+        q = softmax(logits / temperature) with their uniform.  Returns target ids [B] and q
+        [B, V] over the target vocabulary (None when every row is greedy; rows of greedy
+        sequences hold an unused softmax)."""
         ids = logits.argmax(-1)
         if not sampled:
             return self._to_target[ids], None
