@@ -112,7 +112,7 @@ def time_attention(
     heads: the values do not matter, the memory traffic does)."""
     b = q.shape[0]
     layout = PackedLayout.from_lengths([1] * b)
-    kv = q[:, : cache.k[layers[0]].shape[2]].contiguous()
+    kv = q[:, : cache.k[layers[0]].shape[1]].contiguous()
     prefix = torch.full((b,), ctx - 1)
 
     def step() -> None:

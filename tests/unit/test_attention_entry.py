@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrl.core.attention import CacheView, PackedLayout, attention, dense_attention
+from specrl.core.attention import CacheView, PackedLayout, attention, dense_attention, kernels
+from specrl.core.attention.kernels import grouped_decode_attention
 
 LENS = [1, 5, 12, 3, 9]
 
@@ -48,8 +49,9 @@ def test_reference_rows_sum_to_one_and_stay_in_sequence():
     # uniform scores: each query averages the values of its own sequence's prefix
     expected = torch.tensor([0.0, 0.5, 2.0, 2.5, 3.0], dtype=torch.float64)
     torch.testing.assert_close(out[:, 0, 0], expected)
-    torch.testing.assert_close(lse[:, 0].exp(), torch.tensor([1, 2, 1, 2, 3.0],
-                                                             dtype=torch.float64))
+    torch.testing.assert_close(
+        lse[:, 0].exp(), torch.tensor([1, 2, 1, 2, 3.0], dtype=torch.float64)
+    )
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -59,7 +61,7 @@ def test_cached_equals_uncached(window):
     ref = attention(q, k, v, layout, backend="reference", window=window)
     # feed each sequence in two chunks through a slot cache (slots in reverse order)
     b = len(LENS)
-    kc = torch.zeros(b, 16, 2, 8, dtype=torch.float64)
+    kc = torch.zeros(b, 2, 16, 8, dtype=torch.float64)
     vc = torch.zeros_like(kc)
     slots = torch.arange(b - 1, -1, -1)
     cu = layout.cu_seqlens.tolist()
@@ -74,8 +76,78 @@ def test_cached_equals_uncached(window):
                 pre.append(lo)
         keep = [i for i, n in enumerate(LENS) if (first[i] if part == 0 else n - first[i]) > 0]
         idx = torch.tensor(rows)
-        view = CacheView(kc, vc, slots[keep], torch.tensor(pre),
-                         max(p + n for p, n in zip(pre, lens, strict=True)))
-        out = attention(q[idx], k[idx], v[idx], PackedLayout.from_lengths(lens), cache=view,
-                        window=window)
+        view = CacheView(
+            kc,
+            vc,
+            slots[keep],
+            torch.tensor(pre),
+            max(p + n for p, n in zip(pre, lens, strict=True)),
+        )
+        out = attention(
+            q[idx], k[idx], v[idx], PackedLayout.from_lengths(lens), cache=view, window=window
+        )
         torch.testing.assert_close(out, ref[idx], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (6, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_grouped_decode_attention_equals_sdpa(hq, hkv, masked):
+    """The compiled CPU form of decoding attention is SDPA's math, head groups and mask
+    included."""
+    gen = torch.Generator().manual_seed(hq)
+    b, length, d = 3, 11, 8
+    q = torch.randn(b, hq, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, length, d, generator=gen, dtype=torch.float64) for _ in "kv")
+    mask = None
+    if masked:  # the new token of sequence i sits at position prefix_i; a window of 4
+        q_pos = torch.tensor([5, 7, length - 1])[:, None, None]
+        k_pos = torch.arange(length)
+        mask = ((k_pos <= q_pos) & (q_pos - k_pos < 4))[:, None]  # [B, 1, 1, L]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], k, v, attn_mask=mask, scale=0.3, enable_gqa=hq != hkv
+    )[:, :, 0]
+    out = grouped_decode_attention(q, k, v, mask, 0.3)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+
+
+def test_compiled_cached_attention_equals_eager(monkeypatch):
+    """Under torch.compile on CPU, cached attention writes the same cache and returns the same
+    outputs as eagerly: decoding (one token each; all at one position, compact slots; or at
+    different positions, scattered slots) takes the grouped form, verification (uneven new
+    tokens) stays on SDPA."""
+    hq, hkv, d, num_slots, max_len = 4, 2, 8, 6, 24
+    traced = []
+    grouped = kernels.grouped_decode_attention
+    monkeypatch.setattr(
+        kernels, "grouped_decode_attention", lambda *a: traced.append(len(a[0])) or grouped(*a)
+    )
+
+    def run(fn, lens, slots, prefix):
+        gen = torch.Generator().manual_seed(1)
+        mk = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)
+        kc, vc = mk(num_slots, hkv, max_len, d), mk(num_slots, hkv, max_len, d)
+        q, k, v = mk(sum(lens), hq, d), mk(sum(lens), hkv, d), mk(sum(lens), hkv, d)
+        kv_len = max(p + n for p, n in zip(prefix, lens, strict=True))
+        compact = slots == list(range(len(slots)))
+        full_rows = set(lens) == {1} and {p + 1 for p in prefix} == {kv_len}
+        view = CacheView(
+            kc, vc, torch.tensor(slots), torch.tensor(prefix), kv_len, compact, None, full_rows
+        )
+        return fn(q, k, v, PackedLayout.from_lengths(lens), view), kc, vc
+
+    def eager(q, k, v, layout, view):
+        return attention(q, k, v, layout, cache=view)
+
+    compiled = torch.compile(eager, dynamic=False, fullgraph=True)
+    for lens, slots, prefix in [
+        ([1, 1, 1], [0, 1, 2], [9, 9, 9]),
+        ([1, 1, 1], [4, 0, 2], [5, 12, 7]),
+        ([3, 1, 2], [4, 0, 2], [5, 12, 7]),
+    ]:
+        want, k_want, v_want = run(eager, lens, slots, prefix)
+        assert not traced  # eager: SDPA
+        got, k_got, v_got = run(compiled, lens, slots, prefix)
+        assert traced == ([3] if set(lens) == {1} else []), "wrong form traced"
+        traced.clear()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)

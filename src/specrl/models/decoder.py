@@ -211,7 +211,8 @@ class DecoderBody(nn.Module):
 
 
 class KVCache:
-    """Slot-based KV cache: one [num_slots, max_len, Hkv, D] pair per owned layer."""
+    """Slot-based KV cache: one head-major [num_slots, Hkv, max_len, D] pair per owned
+    layer (a sequence's keys of one head are contiguous: the layout attention reads)."""
 
     def __init__(
         self,
@@ -224,7 +225,7 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         ids = list(range(config.num_hidden_layers)) if layer_ids is None else list(layer_ids)
-        shape = (num_slots, max_len, config.num_key_value_heads, config.head_dim)
+        shape = (num_slots, config.num_key_value_heads, max_len, config.head_dim)
         self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in ids}
         self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in ids}
         self.num_slots = num_slots
@@ -244,7 +245,7 @@ class KVCache:
         b = torch.tensor(list(dst), dtype=torch.int64, device=device)
         for kv in (self.k, self.v):
             for layer in kv.values():
-                layer[b, :rows] = layer[a, :rows]
+                layer[b, :, :rows] = layer[a, :, :rows]
 
 
 @dataclass

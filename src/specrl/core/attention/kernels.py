@@ -122,6 +122,42 @@ def cache_mask(
     return mask[:, None]
 
 
+# The attention a compiled CPU decoding step (one new token each) traces: "grouped"
+# (:func:`grouped_decode_attention`) or "sdpa".  Read while tracing: set it before a graph
+# compiles.  ``benchmarks/decode_attention.py`` switches it to measure both.
+COMPILED_CPU_ATTENTION = "grouped"
+
+
+def grouped_decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]: one new query per sequence
+    k: torch.Tensor,  # [B, Hkv, L, D]
+    v: torch.Tensor,  # [B, Hkv, L, D]
+    mask: torch.Tensor | None,  # [B, 1, 1, L] bool (True: attend) or None
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Decoding attention against a head-major cache block, written for inductor; [B, Hq, D].
+
+    Same math as ``scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask,
+    enable_gqa=True)``.  The query heads are grouped by the KV head they share: the scores are
+    one small matmul per (sequence, KV head), and the weighted sum of the values is a plain
+    reduction that inductor fuses with the masked softmax into one loop nest.  Inside a compiled
+    CPU decoding step this beats SDPA's CPU flash kernel, which pays a fixed cost per (sequence,
+    head) block; with several new tokens per sequence (verification) SDPA wins and stays
+    (``benchmarks/decode_attention.py``).  The scores stay a matmul on purpose: written as a
+    reduction, inductor inlines the query's RoPE into the loop over the keys and recomputes it
+    for every key (slower than SDPA in the engine).  Eagerly the reduction materializes a
+    [B, Hkv, G, L, D] product: call it under ``torch.compile`` only.
+    """
+    b, hq, d = q.shape
+    hkv, kv_len = k.shape[1], k.shape[2]
+    qg = q.view(b, hkv, hq // hkv, d)
+    s = torch.matmul(qg, k.transpose(-1, -2)) * (d**-0.5 if scale is None else scale)
+    if mask is not None:  # [B, Hkv, G, L] scores
+        s = s.masked_fill(~mask.view(b, 1, 1, kv_len), float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return (p[..., None] * v[:, :, None]).sum(-2).reshape(b, hq, d)
+
+
 def cached_attention(
     q: torch.Tensor,  # [T, Hq, D] new tokens, packed by sequence
     k: torch.Tensor,  # [T, Hkv, D]
@@ -132,7 +168,13 @@ def cached_attention(
     scale: float | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Append the new K/V to their cache slots, then attend over prefix + new tokens."""
+    """Append the new K/V to their cache slots, then attend over prefix + new tokens.
+
+    The cache is head-major ([slot, Hkv, position, D]): a sequence's keys for one head are one
+    contiguous run, the layout attention reads (SDPA's CPU kernel runs faster on it than on a
+    position-major cache at batch 8 and more; ``benchmarks/decode_attention.py``).  Inside a
+    compiled CPU graph the attention of a decoding step is :func:`grouped_decode_attention`.
+    """
     t, hq, d = q.shape
     hkv = k.shape[1]
     b, m, kv_len = layout.num_seqs, layout.max_seqlen, cache.max_kv_len
@@ -147,17 +189,17 @@ def cached_attention(
         slot_t = cache.slots[seq]
         pos_t = cache.prefix_lens[seq] + off
     same = cache.k.dtype == k.dtype  # skip no-op casts: each is a dispatch per layer and step
-    cache.k.index_put_((slot_t, pos_t), k if same else k.to(cache.k.dtype))
-    cache.v.index_put_((slot_t, pos_t), v if same else v.to(cache.v.dtype))
+    # [slot, position, Hkv, D] views of the head-major cache take the [T, Hkv, D] rows as they are
+    cache.k.transpose(1, 2).index_put_((slot_t, pos_t), k if same else k.to(cache.k.dtype))
+    cache.v.transpose(1, 2).index_put_((slot_t, pos_t), v if same else v.to(cache.v.dtype))
     if cache.slots_are_prefix:
-        kp, vp = cache.k[:b, :kv_len], cache.v[:b, :kv_len]  # views, no copy
+        kp, vp = cache.k[:b, :, :kv_len], cache.v[:b, :, :kv_len]  # views, no copy
     else:
         # index_select copies whole rows (4× faster on CPU than advanced indexing, same values)
-        kp = cache.k[:, :kv_len].index_select(0, cache.slots)
-        vp = cache.v[:, :kv_len].index_select(0, cache.slots)
+        kp = cache.k[:, :, :kv_len].index_select(0, cache.slots)
+        vp = cache.v[:, :, :kv_len].index_select(0, cache.slots)
     if kp.dtype != q.dtype:
-        kp, vp = kp.to(q.dtype), vp.to(q.dtype)
-    kp, vp = kp.transpose(1, 2), vp.transpose(1, 2)  # [B, Hkv, L, D]
+        kp, vp = kp.to(q.dtype), vp.to(q.dtype)  # [B, Hkv, L, D]
     if uniform:
         qp = q.view(b, m, hq, d)
     else:
@@ -168,10 +210,17 @@ def cached_attention(
         mask = cache.mask
         if mask is None:
             mask = cache_mask(layout, cache.prefix_lens, kv_len, window)
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), kp, vp, attn_mask=mask, scale=scale, enable_gqa=hq != hkv
-    )
-    out = out.transpose(1, 2)  # [B, M, Hq, D]
+    if (
+        m == 1
+        and q.device.type == "cpu"
+        and torch.compiler.is_compiling()
+        and COMPILED_CPU_ATTENTION == "grouped"
+    ):
+        out = grouped_decode_attention(qp.view(b, hq, d), kp, vp, mask, scale).view(b, 1, hq, d)
+    else:
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), kp, vp, attn_mask=mask, scale=scale, enable_gqa=hq != hkv
+        ).transpose(1, 2)  # [B, M, Hq, D]
     if uniform:
         return out.reshape(t, hq, d)
     return out[seq, off]

@@ -83,8 +83,8 @@ class CacheView:
     and causally to the new tokens.  ``max_kv_len`` (host int) bounds prefix + new length.
     """
 
-    k: torch.Tensor  # [num_slots, max_len, Hkv, D]
-    v: torch.Tensor  # [num_slots, max_len, Hkv, D]
+    k: torch.Tensor  # [num_slots, Hkv, max_len, D] (head-major)
+    v: torch.Tensor  # [num_slots, Hkv, max_len, D] (head-major)
     slots: torch.Tensor  # [B] int64
     prefix_lens: torch.Tensor  # [B] int64
     max_kv_len: int
