@@ -257,3 +257,27 @@ def test_compile_without_a_cxx_compiler_is_a_config_error(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(ConfigError, match=r"C\+\+ compiler.*without --compile"):
         RolloutEngine(tiny(), compile=True)
+
+
+@needs_cxx
+def test_a_guard_free_call_that_needs_a_new_graph_reruns_guarded():
+    """A key that misses a fact the graphs depend on (here the mode): the guard-free call finds
+    no graph, is rerun fully guarded (compiling the right one), and its class stays guarded."""
+    from specrl.rollout.compiled import Compiled
+
+    def step(x: torch.Tensor, mode: str) -> torch.Tensor:
+        return {"add": x + 1, "sub": x - 1, "mul": x * 3}[mode]
+
+    compiled = Compiled(step, torch.device("cpu"), "the test step")
+    x = torch.arange(3.0)
+    for mode in ("add", "sub"):  # two classes, each compiled, then served
+        for _ in range(3):
+            compiled(x, mode, key=mode)
+    assert compiled.graphs == 2 and compiled.unguarded == 2
+    # the caller files "mul" under the key of "add": guard-free, no graph fits
+    assert compiled(x, "mul", key="add").tolist() == [0.0, 3.0, 6.0]
+    assert compiled.graphs == 3 and compiled.unguarded == 3
+    for _ in range(2):  # the class stays guarded (and right) from now on
+        assert compiled(x, "add", key="add").tolist() == [1.0, 2.0, 3.0]
+        assert compiled(x, "mul", key="add").tolist() == [0.0, 3.0, 6.0]
+    assert compiled.graphs == 3 and compiled.unguarded == 3

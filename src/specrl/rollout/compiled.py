@@ -36,7 +36,10 @@ call of a class has run without compiling, later calls of that class run under d
 checked (the sizes that specialise, the model instance), which is exact as long as the key
 covers every host-side fact a graph depends on — the same bet vLLM makes when it dispatches
 to its compiled graphs without dynamo's guards.  Calls run fully guarded when the caller is
-inside another stance (``fail_on_recompile`` in the tests) or gives no key.
+inside another stance (``fail_on_recompile`` in the tests) or gives no key.  Should a key miss
+a fact after all, so that a guard-free call finds no graph, dynamo refuses to compile under
+that stance before running anything: the call is then rerun fully guarded (compiling what it
+needs) and its class stays guarded from then on.
 
 On CPU inductor builds C++ and needs a compiler (``g++``); on CUDA it uses Triton.
 """
@@ -85,6 +88,7 @@ class Compiled:
         self.guard_free = _STANCES is not None  # this torch has the hooks
         self._served: set[Hashable] = set()  # graph classes a guarded call ran without compiling
         self.unguarded = 0  # calls run with guard evaluation skipped
+        self._always_guarded: set[Hashable] = set()  # classes a guard-free call had to leave
 
     def __call__(self, *args: Any, key: Hashable | None = None, **kwargs: Any) -> Any:
         counters = torch._dynamo.utils.counters["stats"]
@@ -102,7 +106,19 @@ class Compiled:
             stance = _skip_guards()
             self.unguarded += stance is not None
         try:
-            out = self._fn(*args, **kwargs)
+            try:
+                out = self._fn(*args, **kwargs)
+            except RuntimeError as e:
+                if stance is None or _UNSAFE_RECOMPILE not in str(e):
+                    raise
+                # the class needs a graph the guard-free stance may not compile: its key misses
+                # a guard that matters.  Nothing ran (dynamo refuses before running a graph);
+                # run the call guarded, and keep this class guarded from now on.
+                _STANCES[1](stance)  # type: ignore[index]
+                stance = None
+                self._served.discard(key)
+                self._always_guarded.add(key)
+                out = self._fn(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = e.inner_exception  # a SpecrlError: the CLI prints one line, not a traceback
             raise ConfigError(
@@ -115,7 +131,13 @@ class Compiled:
                 _STANCES[1](stance)  # type: ignore[index]
         compiled = counters["unique_graphs"] - before
         self.graphs += compiled
-        if key is not None and stance is None and not compiled and _default_stance():
+        if (
+            key is not None
+            and stance is None
+            and not compiled
+            and key not in self._always_guarded
+            and _default_stance()
+        ):
             self._served.add(key)
         return out
 
@@ -134,6 +156,8 @@ def _stance_hooks() -> tuple[Any, Callable[[Any], Any], type] | None:
 
 
 _STANCES = _stance_hooks()
+# what dynamo raises when a call under the guard-skipping stance would need a new graph
+_UNSAFE_RECOMPILE = "skip_guard_eval_unsafe"
 
 
 def _default_stance() -> bool:
