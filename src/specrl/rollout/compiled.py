@@ -112,8 +112,9 @@ class Compiled:
                 if stance is None or _UNSAFE_RECOMPILE not in str(e):
                     raise
                 # the class needs a graph the guard-free stance may not compile: its key misses
-                # a guard that matters.  Nothing ran (dynamo refuses before running a graph);
-                # run the call guarded, and keep this class guarded from now on.
+                # a guard that matters.  Dynamo refuses on entering the frame, before running
+                # it (the engine's compiled functions are whole graphs, their cache writes
+                # idempotent); rerun guarded, and keep this class guarded from now on.
                 _STANCES[1](stance)  # type: ignore[index]
                 stance = None
                 self._served.discard(key)

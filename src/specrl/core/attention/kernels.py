@@ -142,11 +142,11 @@ def grouped_decode_attention(
     one small matmul per (sequence, KV head), and the weighted sum of the values is a plain
     reduction that inductor fuses with the masked softmax into one loop nest.  Inside a compiled
     CPU decoding step this beats SDPA's CPU flash kernel, which pays a fixed cost per (sequence,
-    head) block; with several new tokens per sequence (verification) SDPA wins and stays
-    (``benchmarks/decode_attention.py``).  The scores stay a matmul on purpose: written as a
-    reduction, inductor inlines the query's RoPE into the loop over the keys and recomputes it
-    for every key (slower than SDPA in the engine).  Eagerly the reduction materializes a
-    [B, Hkv, G, L, D] product: call it under ``torch.compile`` only.
+    head) block (``benchmarks/decode_attention.py``); verification (several new tokens per
+    sequence) keeps SDPA, which a grouped form did not beat there.  The scores stay a matmul on
+    purpose: written as a reduction, inductor inlines the query's RoPE into the loop over the
+    keys and recomputes it for every key (slower than SDPA in the engine).  Eagerly the
+    reduction materializes a [B, Hkv, G, L, D] product: call it under ``torch.compile`` only.
     """
     b, hq, d = q.shape
     hkv, kv_len = k.shape[1], k.shape[2]
