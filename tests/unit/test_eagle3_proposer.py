@@ -146,3 +146,32 @@ def test_slot_compaction_moves_the_draft_cache(with_move):
         assert gap <= 1e-10
     else:
         assert gap > 1e-4
+
+
+def test_backlog_counts_the_positions_the_draft_has_not_seen():
+    """``backlog`` = positions committed since the draft's last step-0 pass: the prompts after
+    prefill, one more per sequence each plain step, all caught up by a drafting call (whose
+    cost sample carries that backlog), then the newly committed positions."""
+    target, draft = make_pair()
+    engine = make_engine(target, max_batch_size=2, spec=spec_with(draft, "eagle3", k=2))
+    prop, ctrl = engine.proposers["eagle3"], engine.controller
+    plan, record_draft = ctrl.plan, ctrl.record_draft
+    speculate = iter([False, False, False, True, False, True])
+    planned, drafted, unseen = [], [], []
+
+    def gated(batch_size, backlog=None, remaining=None):
+        planned.append(backlog["eagle3"])
+        running = engine._running
+        unseen.append(sum(s.kv_len - prop._state[s.seq_id].main_len for s in running))
+        return plan(batch_size, backlog, remaining) if next(speculate, True) else None
+
+    ctrl.plan = gated
+    ctrl.record_draft = lambda *args: drafted.append(args[4]) or record_draft(*args)
+    out = engine.generate([Request(p, greedy(12)) for p in PROMPTS[:2]])
+    assert planned[:4] == [11, 13, 15, 17]  # prompts of 6 and 5 tokens, then +2 a plain step
+    assert planned == unseen  # every step: what the draft cache lacks
+    assert drafted[0] == 17  # the first drafting call caught up all of it
+    assert 2 <= planned[4] <= 2 * 3  # then only what that verification committed
+    assert ctrl.lengths.expected_remaining(0, 100) == pytest.approx(
+        sum(len(r.tokens) for r in out) / len(out)
+    )  # finished lengths reach the gate's length model

@@ -21,6 +21,7 @@ from specrl.rollout.gating import (
     CostModel,
     DraftCost,
     EpsilonGreedy,
+    LengthModel,
     SpecController,
     SpeculationGate,
     k_choices,
@@ -72,16 +73,47 @@ def test_cost_model_window_forgets_old_steps():
     assert cm.coefficients() == pytest.approx((0.005, 0.0, 0.0), abs=1e-12)
 
 
-def test_draft_cost_fits_per_call_chain_and_token_costs():
-    """A chain drafter: 1 ms per call, 2 ms per chain position, 0.05 ms per drafted token; the
-    fit recovers them from calls of mixed batch sizes and caps, and predicts a full batch."""
+def test_draft_cost_fits_per_call_chain_token_and_backlog_costs():
+    """A chain drafter: 1 ms per call, 2 ms per chain position, 0.05 ms per drafted token and
+    0.02 ms per queued position it catches up first; the fit recovers them from calls of mixed
+    batch sizes, caps and backlogs, and predicts a full batch."""
     dc = DraftCost(window=64)
-    assert dc.predict(128, 4) == 0.0  # never called: free (optimistic)
-    calls = [(3, 4), (32, 4), (8, 2), (1, 1), (16, 4), (32, 1), (5, 2)]  # (sequences, cap)
-    for n, cap in calls:
-        dc.observe(n * cap, cap, 0.001 + 0.002 * cap + 0.00005 * n * cap)
-    assert dc.coefficients() == pytest.approx((0.001, 0.00005, 0.002))
-    assert dc.predict(32 * 4, 4) == pytest.approx(0.001 + 0.008 + 0.0064)
+    assert dc.predict(128, 4, 64) == 0.0  # never called: free (optimistic)
+    # (sequences, cap, backlog): steady state (≈ sequences × accepted) and after gate-off spells
+    calls = [(3, 4, 12), (32, 4, 96), (8, 2, 400), (1, 1, 1), (16, 4, 40), (32, 1, 2048), (5, 2, 9)]
+    for n, cap, backlog in calls:
+        dc.observe(n * cap, cap, backlog, 0.001 + 0.002 * cap + 0.00005 * n * cap + 2e-5 * backlog)
+    assert dc.coefficients() == pytest.approx((0.001, 0.00005, 0.002, 2e-5))
+    assert dc.predict(32 * 4, 4, 64) == pytest.approx(0.001 + 0.008 + 0.0064 + 0.00128)
+    assert dc.predict(32 * 4, 4) == pytest.approx(0.001 + 0.008 + 0.0064)  # no backlog given
+
+
+def test_cost_model_refits_on_a_schedule_not_every_step():
+    """Asked every step, the fit is re-solved after max(1, n/16) new observations: at once
+    while the window is small, every 16th step once it holds 256."""
+    cm = CostModel(window=256)
+    for t in range(1, 300):
+        cm.observe(t, t, 0.001 * t)
+        assert cm.predict(t, t) == pytest.approx(0.001 * t)  # one regime: the fit is exact
+    cm.observe(10, 10, 5.0)  # an outlier
+    stale = cm.coefficients()
+    assert cm.predict(10, 10) == pytest.approx(0.01)  # 1 of the 16 observations it waits for
+    for _ in range(15):
+        cm.observe(10, 10, 0.01)
+    assert cm.coefficients() != stale  # the 16th: re-solved
+
+
+def test_length_model_expects_the_tail_of_finished_lengths():
+    lm = LengthModel(window=4)
+    assert lm.expected_remaining(10, 64) == 54  # nothing finished: the cap (optimistic)
+    for n in (20, 30, 40, 50):
+        lm.observe(n)
+    assert lm.expected_remaining(10, 64) == pytest.approx(35 - 10)  # all four longer
+    assert lm.expected_remaining(35, 64) == pytest.approx(45 - 35)  # 40 and 50
+    assert lm.expected_remaining(35, 40) == 5  # capped by its own max_tokens
+    assert lm.expected_remaining(60, 64) == 4  # longer than all: the cap
+    lm.observe(100)  # the window drops 20
+    assert lm.expected_remaining(10, 200) == pytest.approx((30 + 40 + 50 + 100) / 4 - 10)
 
 
 def test_k_choices():
@@ -133,7 +165,7 @@ def _verify(ctrl: SpecController, batch: int, emitted_of) -> Arm:
     assert arms is not None and len(set(arms)) == 1  # one arm per step
     for arm in arms:
         ctrl.record(arm, arm.k, emitted_of(arm))
-    ctrl.record_step(batch * (arms[0].k + 1), batch * (arms[0].k + 1), 1.0)
+    ctrl.record_step(batch * (arms[0].k + 1), batch * (arms[0].k + 1), 1.0, batch)
     return arms[0]
 
 
@@ -171,6 +203,70 @@ def test_gate_hysteresis():
     decisions = [gate.decide(s) for s in (1.5, 1.01, 0.99, 1.05, 1.09, 1.11, 1.0, 0.95)]
     assert decisions == [True, True, False, False, False, True, True, False]
     assert gate.switches == 3
+
+
+def test_gate_state_is_kept_per_batch_size():
+    """A shrinking batch's tail may turn speculation on; the next full wave must start from
+    the full batch's own state, not the tail's (a fresh batch size starts on)."""
+    gate = SpeculationGate(hysteresis=0.1)
+    assert not gate.decide(0.8, 32)  # full batch: off
+    assert gate.decide(1.5, 4)  # the tail: on
+    assert not gate.decide(1.05, 32)  # the next wave: still off (1.05 < 1 + h) ...
+    assert gate.decide(1.05, 4)  # ... while the tail's state stays on
+    assert gate.decide(1.02, 16)  # unseen: on until it loses
+    assert gate.switches == 1
+
+
+def test_controller_predicts_plain_steps_at_their_own_fixed_cost():
+    """Speculative steps cost a fixed 3 ms more than plain ones of the same size (drafts, q,
+    the ratio test).  The joint fit keeps the slope and separates the fixed costs, so a plain
+    step of a full batch is not predicted at the speculative steps' intercept."""
+    ctrl = SpecController(["x"], 4, seed=0)
+    for batch in (32, 24, 16, 8, 4, 1):
+        ctrl.record_step(batch, batch, 0.004 + 1e-5 * batch, batch)
+        for k in (1, 4):
+            rows = batch * (k + 1)
+            ctrl.record_step(rows, rows, 0.007 + 1e-5 * rows, batch)
+    assert ctrl.plain_seconds(32) == pytest.approx(0.004 + 32e-5)
+    assert ctrl.spec_seconds(160, 160) == pytest.approx(0.007 + 160e-5)
+    assert ctrl.to_dict()["cost_model"]["s_s_per_speculative_step"] == pytest.approx(0.003)
+
+
+def _trained_chain_controller() -> SpecController:
+    """A latency-bound target (t = 1 s + 10 ms per token), a chain drafter costing 0.1 s a
+    call plus 1 ms per queued position it catches up, every draft accepted."""
+    ctrl = SpecController(["chain"], 2, seed=0)
+    for batch in (1, 4, 8, 16):
+        ctrl.record_step(batch, batch, 1.0 + 0.01 * batch, batch)
+        for arm in ctrl.arms:
+            rows = batch * (arm.k + 1)
+            ctrl.record_step(rows, rows, 1.0 + 0.01 * rows, batch)
+    for n, k, backlog in ((8, 2, 24), (1, 1, 2), (16, 2, 900), (4, 1, 40), (8, 2, 3000)):
+        ctrl.record_draft("chain", n * k, k, 0.1 + 0.001 * backlog, backlog)
+    for arm in ctrl.arms:
+        for _ in range(8):
+            ctrl.record(arm, arm.k, arm.k + 1)
+    return ctrl
+
+
+def test_a_drafters_backlog_is_charged_over_the_tokens_left_to_repay_it():
+    """8 sequences that spent 500 steps with the gate off: catching the drafter up costs ≈ 4 s
+    (4000 positions at 1 ms), against a steady-state step of ≈ 1.36 s for 24 tokens where plain
+    decoding takes 3.24 s.  Worth it when 4000 tokens remain, not when 24 do."""
+    ctrl = _trained_chain_controller()
+    asked = []
+
+    def left(n: float):
+        return lambda: asked.append(n) or n
+
+    assert ctrl.plan(8) is not None  # no backlog: speculation pays (S ≈ 2.4)
+    assert ctrl.plan(8, {"chain": 4000}, left(8 * 3)) is None  # one step left: S ≈ 0.6
+    assert ctrl.plan(8, {"chain": 4000}, left(8 * 500)) is not None  # 167 steps: S ≈ 2.3
+    assert asked == [24, 4000]
+    steady = _trained_chain_controller()
+    # steady state: what one verification commits (≤ B·τ̂ of every arm) is no extra charge
+    assert steady.plan(8, {"chain": 8 * 2}, left(1.0)) is not None
+    assert asked == [24, 4000]  # … and the horizon was not even asked for
 
 
 # ------------------------------------------------------------------------- simulated controller
@@ -214,7 +310,7 @@ def _simulate(
                 emitted += acc + 1
             padded = batch * max(arm.k + 1 for arm in arms)
         cost = a + b * fed
-        ctrl.record_step(fed, padded, cost)
+        ctrl.record_step(fed, padded, cost, batch)
         if step >= steps // 2:
             tokens, spec = tokens + emitted, spec + (arms is not None)
             seconds += cost + drafting

@@ -157,7 +157,8 @@ class _Launch:
     caps: list[int]  # per sequence: the draft length it was allowed
     num_rows: list[int]  # per sequence: verified (logit) rows, k + 1
     # one entry per propose call: (proposer, tokens asked Σ caps, longest cap, seconds)
-    draft_calls: list[tuple[str, int, int, float]] = field(default_factory=list)
+    # propose calls: (proposer, tokens asked, longest cap, seconds, positions it had queued)
+    draft_calls: list[tuple[str, int, int, float, int]] = field(default_factory=list)
     input_starts: list[int] = field(default_factory=list)  # first packed row of each ``fed``
     tensors: dict[str, Any] = field(default_factory=dict)  # device inputs
     out: dict[str, Any] = field(default_factory=dict)  # device outputs
@@ -401,11 +402,12 @@ class RolloutEngine:
             timed = graphs == self.compiled_graphs
             if timed:
                 # the target's decode share of the step: without the prefill and the drafting
-                target = seconds - sum(call[-1] for call in decode.draft_calls)
+                target = seconds - sum(call[3] for call in decode.draft_calls)
                 if prefill is not None:
                     target -= self._stopwatch.seconds(start, stop)
                 padded = len(decode.seqs) * max(decode.num_rows)
-                self.controller.record_step(sum(decode.num_rows), padded, target)
+                tokens = sum(decode.num_rows)
+                self.controller.record_step(tokens, padded, target, len(decode.seqs))
             self._learn(decode, host[-1], timed)
         return finished
 
@@ -461,7 +463,8 @@ class RolloutEngine:
         )
 
     def _plan_decode(self, seqs: list[SeqState]) -> _Launch:
-        arms = self.controller.plan(len(seqs))
+        backlog = self._backlog(seqs)
+        arms = self.controller.plan(len(seqs), backlog, lambda: self._remaining(seqs))
         drafts = [Draft([]) for _ in seqs]
         caps = [0] * len(seqs)
         draft_calls = []
@@ -474,8 +477,10 @@ class RolloutEngine:
             for name, idx in asked.items():  # cap 0 included: a proposer may batch them along
                 if not any(caps[b] for b in idx):
                     continue
+                batch = [seqs[b] for b in idx]
+                queued = self._backlog(batch, name).get(name, 0)
                 t0 = self.clock()
-                got = self.proposers[name].propose([seqs[b] for b in idx], [caps[b] for b in idx])
+                got = self.proposers[name].propose(batch, [caps[b] for b in idx])
                 spent = self.clock() - t0
                 if len(got) != len(idx):
                     raise RuntimeError(
@@ -484,7 +489,7 @@ class RolloutEngine:
                 for b, draft in zip(idx, got, strict=True):
                     drafts[b] = self._checked(name, draft, caps[b])
                 want = [caps[b] for b in idx]
-                draft_calls.append((name, sum(want), max(want), spent))
+                draft_calls.append((name, sum(want), max(want), spent, queued))
         return _Launch(
             prefill=False,
             seqs=seqs,
@@ -497,6 +502,20 @@ class RolloutEngine:
             num_rows=[len(d.tokens) + 1 for d in drafts],
             draft_calls=draft_calls,
         )
+
+    def _backlog(self, seqs: list[SeqState], only: str | None = None) -> dict[str, int]:
+        """Positions each proposer (with a ``backlog`` method) has queued for ``seqs``."""
+        out = {}
+        for name, p in self.proposers.items():
+            count = getattr(p, "backlog", None)
+            if count is not None and (only is None or name == only):
+                out[name] = count(seqs)
+        return out
+
+    def _remaining(self, seqs: list[SeqState]) -> float:
+        """Expected tokens the running ``seqs`` still generate (the gate's horizon)."""
+        lengths = self.controller.lengths
+        return sum(lengths.expected_remaining(len(s.output), s.params.max_tokens) for s in seqs)
 
     def _checked(self, name: str, draft: Draft, cap: int) -> Draft:
         """A proposer's draft cut to ``cap`` tokens, with its ids and q shape validated."""
@@ -788,6 +807,7 @@ class RolloutEngine:
 
     def _finish(self, seq: SeqState) -> Result:
         self._running.remove(seq)
+        self.controller.record_finished(len(seq.output))
         self._free_slots.append(seq.slot)
         for p in self.proposers.values():
             p.release(seq)

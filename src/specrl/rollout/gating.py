@@ -2,43 +2,50 @@
 
 Speculation trades target compute for fewer sequential forwards.  Whether that pays depends on
 the batch: a small batch leaves the target latency-bound (k + 1 tokens cost about as much as
-one), a large one makes it compute-bound (k + 1 tokens cost about k + 1 times as much).  Three
+one), a large one makes it compute-bound (k + 1 tokens cost about k + 1 times as much).  A few
 small pieces decide, all online, all deterministic given a seed and the measured step times
 (the clock is injected into the engine, so tests feed synthetic timings):
 
 - :class:`CostModel`: the target's share of a decode step (step time minus the measured time of
-  the proposers' ``propose`` calls) from the tokens fed T and the padded query rows
-  P = B·max(k + 1), t = a + b·T + c·P, non-negative least squares over the last ``window``
-  decode steps (P matters for attention kernels that pad every sequence to the longest one; a
-  varlen kernel fits c ≈ 0).  Flat before the data has spread (optimistic: speculation is tried).
+  the proposers' ``propose`` calls) from the tokens fed T, the padded query rows
+  P = B·max(k + 1) and whether the step verified drafts: t = a + b·T + c·P + s·[speculative],
+  non-negative least squares over the last ``window`` decode steps (P matters for attention
+  kernels that pad every sequence to the longest one; a varlen kernel fits c ≈ 0; s keeps a
+  plain step from being predicted at the speculative steps' fixed cost).  Flat before the data
+  has spread (optimistic: speculation is tried).
 - :class:`DraftCost`: the same fit per proposer for its ``propose`` calls, from the tokens it
-  drafted (Σ caps) and the length of its longest chain (max cap): a chain drafter runs one
-  forward per position for the whole batch, so most of its cost is per call and per position,
-  not per sequence.  Zero before the first call (optimistic).
+  drafted (Σ caps), the length of its longest chain (max cap) and the positions it had queued
+  (``backlog``: an EAGLE-3 draft catches up on every position committed while it did not
+  draft): a chain drafter runs one forward per position for the whole batch, so most of its
+  cost is per call and per position, not per sequence.  Zero before the first call.
+- :class:`LengthModel`: the tokens a running sequence is still expected to generate, from the
+  lengths of recently finished ones: the horizon over which a drafter's catch-up is repaid.
 - :class:`EpsilonGreedy`: per decode step, which arm (proposer, k) every request in it drafts
   with; ε-greedy (TLT's choice, ε = 0.1) whose exploration skips clearly worse arms most of the
   time, so it costs ≤ ε·gap on average.  An arm's value at batch size B is the throughput it
-  would give the whole batch, B·τ̂ / (t(B·f̂, B·(k + 1)) + d(B·k, k)): τ̂ tokens emitted and f̂
-  fed per verification, learned per arm over all batch sizes (acceptance does not depend on B),
-  and d the proposer's drafting time for a call in which the whole batch drafts k tokens — so
-  each arm is charged what it costs once exploited, not what a step that explored it happened
-  to pay.  A long k wins in the latency-bound tail, a short one (or none, via the gate) in a
-  full batch, and an expensive drafter only where its acceptance pays for it.
+  would give the whole batch, B·τ̂ / (t_s(B·f̂, B·(k + 1)) + d(B·k, k, B·τ̂) + X/n): τ̂ tokens
+  emitted and f̂ fed per verification, learned per arm over all batch sizes (acceptance does
+  not depend on B), d the proposer's drafting time for a call in which the whole batch drafts
+  k tokens, X the one-off catch-up of its backlog spread over the n steps the batch's remaining
+  tokens last — so each arm is charged what it costs once exploited, not what a step that
+  explored it happened to pay.  A long k wins in the latency-bound tail, a short one (or none,
+  via the gate) in a full batch, and an expensive drafter only where its acceptance pays for it.
 - :class:`SpeculationGate`: speculation on or off for the step, from the expected speedup
-  S(B) = max over arms of τ̂·t(B, B) / (t(B·f̂, B·(k + 1)) + d(B·k, k)) (τ̂ tokens emitted and f̂
-  fed per verification, d the proposer's drafting time) with hysteresis: off below 1, on again
-  above 1 + h.  Probes keep both sides measured: while off, about one step in 1/probe still
-  speculates (a whole step, not a few sequences: with a padding kernel one drafting sequence
-  makes the whole batch pay for k + 1 query rows); while on, about one in 1/probe runs plain.
+  S(B) = max over arms of the arm's value · t_p(B) / B (t_p the plain step's predicted time)
+  with hysteresis, one state per batch size: off below 1, on again above 1 + h.  Probes keep
+  both sides measured: while off, about one step in 1/probe still speculates (a whole step, not
+  a few sequences: with a padding kernel one drafting sequence makes the whole batch pay for
+  k + 1 query rows); while on, about one in 1/probe runs plain.
 
 :class:`SpecController` ties them together for the engine.
 """
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -65,52 +72,78 @@ def k_choices(max_k: int) -> tuple[int, ...]:
 
 
 class CostModel:
-    """Online fit of decode step time t = a + b·T + c·P.
+    """Online fit of a step time t = c₀ + c₁·x₁ + … + cₙ·xₙ from measured steps.
 
-    T is the number of tokens fed to the target, P the query rows after padding (batch × the
-    longest sequence's new tokens), a the fixed cost of a step.  Non-negative least squares over
-    the last ``window`` steps, solved exactly by trying every subset of the coefficients
-    (preferring fewer on ties: with no spread in the data it stays flat).  Before any
-    measurement it is flat, t = 1 (optimistic: speculation gets tried, and so measured).
+    For decode steps (``features=2``, the default) x = (T, P): T tokens fed to the target, P
+    the query rows after padding (batch × the longest sequence's new tokens); c₀ is the fixed
+    cost of a step.  Non-negative least squares over the last ``window`` observations, solved
+    exactly by trying every subset of the coefficients (preferring fewer on ties: with no
+    spread in the data it stays flat).  Before any measurement it is ``prior`` (default flat,
+    t = 1: optimistic, speculation gets tried, and so measured).
+
+    The fit is solved when asked for, and then again only after max(1, n/16) new observations
+    (n in the window): the coefficients move slowly once the window is full, and the engine
+    asks every step.  ``observe``/``predict`` take the features in order; trailing features
+    left out count as 0.
     """
 
-    _SUBSETS = ((0,), (1,), (2,), (0, 1), (0, 2), (1, 2), (0, 1, 2))
+    REFIT_DIVISOR = 16
 
     def __init__(
-        self, window: int = 256, prior: tuple[float, float, float] = (1.0, 0.0, 0.0)
+        self,
+        window: int = 256,
+        prior: tuple[float, ...] | None = None,
+        features: int = 2,
     ) -> None:
-        self._prior = prior
-        self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)
-        # running sums over the window: Σ x xᵀ, Σ x y, Σ y² with x = (1, T, P)
-        self._gram = [[0.0] * 3 for _ in range(3)]
-        self._xy = [0.0] * 3
+        self.features = features
+        n = features + 1
+        self._prior = tuple(prior) if prior is not None else (1.0,) + (0.0,) * features
+        if len(self._prior) != n:
+            raise ValueError(f"prior needs {n} coefficients, got {len(self._prior)}")
+        self._obs: deque[tuple[float, ...]] = deque(maxlen=window)
+        # running sums over the window: Σ x xᵀ, Σ x y, Σ y² with x = (1, x₁, …, xₙ)
+        self._gram = [[0.0] * n for _ in range(n)]
+        self._xy = [0.0] * n
         self._yy = 0.0
         self._since_rebuild = 0
-        self._fit: tuple[float, float, float] | None = None
+        self._since_fit = 0
+        self._fit: tuple[float, ...] | None = None
+        self.solves = 0  # fits computed so far: predictions change only when this does
+        # coefficient subsets, fewer first: ties go to the simpler model
+        self._subsets = sorted(
+            (tuple(i for i in range(n) if mask >> i & 1) for mask in range(1, 1 << n)),
+            key=len,
+        )
 
-    def observe(self, tokens: int, padded: int, seconds: float) -> None:
+    def observe(self, *features_and_seconds: float) -> None:
+        """One step: its features x₁ … (as many as given, the rest 0), then its seconds."""
+        *xs, seconds = features_and_seconds
+        if len(xs) > self.features:
+            raise ValueError(f"{len(xs)} features given, the model has {self.features}")
         if len(self._obs) == self._obs.maxlen:
             self._accumulate(self._obs[0], -1.0)
-        obs = (float(tokens), float(padded), max(float(seconds), 0.0))
+        obs = (*map(float, xs), *(0.0,) * (self.features - len(xs)), max(float(seconds), 0.0))
         self._obs.append(obs)
         self._accumulate(obs, 1.0)
         self._since_rebuild += 1
         if self._since_rebuild >= (self._obs.maxlen or 1):  # bound rounding drift
             self._rebuild()
-        self._fit = None
+        self._since_fit += 1
 
-    def _accumulate(self, obs: tuple[float, float, float], sign: float) -> None:
-        x = (1.0, obs[0], obs[1])
-        y = obs[2]
-        for i in range(3):
-            self._xy[i] += sign * x[i] * y
-            for j in range(3):
-                self._gram[i][j] += sign * x[i] * x[j]
+    def _accumulate(self, obs: tuple[float, ...], sign: float) -> None:
+        x = (1.0, *obs[:-1])
+        y = obs[-1]
+        for i, xi in enumerate(x):
+            self._xy[i] += sign * xi * y
+            row = self._gram[i]
+            for j, xj in enumerate(x):
+                row[j] += sign * xi * xj
         self._yy += sign * y * y
 
     def _rebuild(self) -> None:
-        self._gram = [[0.0] * 3 for _ in range(3)]
-        self._xy = [0.0] * 3
+        n = self.features + 1
+        self._gram = [[0.0] * n for _ in range(n)]
+        self._xy = [0.0] * n
         self._yy = 0.0
         for obs in self._obs:
             self._accumulate(obs, 1.0)
@@ -120,68 +153,104 @@ class CostModel:
     def num_observations(self) -> int:
         return len(self._obs)
 
-    def coefficients(self) -> tuple[float, float, float]:
-        """(a, b, c): seconds, seconds per token fed, seconds per padded query row."""
-        if self._fit is None:
+    def coefficients(self) -> tuple[float, ...]:
+        """(c₀, c₁, …): seconds, then seconds per unit of each feature (for decode steps:
+        per token fed, per padded query row)."""
+        due = max(1, len(self._obs) // self.REFIT_DIVISOR)
+        if self._fit is None or self._since_fit >= due:
             self._fit = self._solve()
+            self._since_fit = 0
+            self.solves += 1
         return self._fit
 
-    def predict(self, tokens: float, padded: float) -> float:
-        a, b, c = self.coefficients()
-        return a + b * tokens + c * padded
+    def predict(self, *features: float) -> float:
+        coef = self.coefficients()
+        return coef[0] + sum(c * x for c, x in zip(coef[1:], features, strict=False))
 
-    def _solve(self) -> tuple[float, float, float]:
+    def _solve(self) -> tuple[float, ...]:
         if not self._obs:
             return self._prior
         gram, xy, yy = self._gram, self._xy, self._yy
-        best, best_err = [0.0, 0.0, 0.0], yy  # all-zero coefficients: error Σy²
-        for idx in self._SUBSETS:
-            g = [[gram[i][j] for j in idx] for i in idx]
-            coef = _solve_small(g, [xy[i] for i in idx])
+        n = self.features + 1
+        best, best_err = [0.0] * n, yy  # all-zero coefficients: error Σy²
+        for idx in self._subsets:
+            coef = _solve_small([[gram[i][j] for j in idx] for i in idx], [xy[i] for i in idx])
             if coef is None or min(coef) < 0:
                 continue  # collinear on this window, or infeasible: other subsets cover it
             fit = sum(c * xy[i] for c, i in zip(coef, idx, strict=True))
             err = yy - fit  # at the least-squares optimum, Σ(y − xᵀc)² = Σy² − cᵀ Σxy
             if err < best_err - 1e-9 * yy:  # strictly better, else keep the smaller subset
-                best, best_err = [0.0, 0.0, 0.0], err
+                best, best_err = [0.0] * n, err
                 for c, i in zip(coef, idx, strict=True):
                     best[i] = c
-        return best[0], best[1], best[2]
+        return tuple(best)
 
 
 def _solve_small(g: list[list[float]], h: list[float]) -> list[float] | None:
-    """Solve g·c = h for n ≤ 3 by Cramer's rule; None when g is (nearly) singular."""
+    """Solve g·c = h (n ≤ 4, g symmetric positive semi-definite) by Gaussian elimination with
+    partial pivoting; None when g is (nearly) singular."""
     n = len(h)
     scale = max(abs(v) for row in g for v in row) or 1.0
-
-    def det(m: list[list[float]]) -> float:
-        if len(m) == 1:
-            return m[0][0]
-        if len(m) == 2:
-            return m[0][0] * m[1][1] - m[0][1] * m[1][0]
-        return (
-            m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
-            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
-        )
-
-    d = det(g)
-    if abs(d) <= 1e-10 * scale**n:
-        return None
-    out = []
+    a = [[*row, rhs] for row, rhs in zip(g, h, strict=True)]
     for col in range(n):
-        m = [[h[i] if j == col else g[i][j] for j in range(n)] for i in range(n)]
-        out.append(det(m) / d)
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) <= 1e-12 * scale:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(col + 1, n):
+            f = a[r][col] / a[col][col]
+            if f:
+                for c in range(col, n + 1):
+                    a[r][c] -= f * a[col][c]
+    out = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        out[r] = (a[r][n] - sum(a[r][c] * out[c] for c in range(r + 1, n))) / a[r][r]
     return out
 
 
 class DraftCost(CostModel):
-    """Seconds of one ``propose`` call, d = a + b·N + c·K: N tokens drafted (Σ caps), K the
-    longest chain (max cap).  A chain drafter costs about K·(forward latency) + N·(per-row
-    cost); a lookup drafter about N·(per-token cost).  Zero before the first call."""
+    """Seconds of one ``propose`` call, d = a + b·N + c·K + e·R: N tokens drafted (Σ caps), K
+    the longest chain (max cap), R the queued positions the proposer had to catch up first
+    (:meth:`Proposer.backlog`; an EAGLE-3 draft runs its step-0 pass over every position the
+    target committed since its last call).  A chain drafter costs about K·(forward latency) +
+    N·(per-row cost) + R·(catch-up per row); a lookup drafter about N·(per-token cost).  Zero
+    before the first call."""
 
     def __init__(self, window: int = 256) -> None:
-        super().__init__(window, prior=(0.0, 0.0, 0.0))
+        super().__init__(window, prior=(0.0, 0.0, 0.0, 0.0), features=3)
+
+
+class LengthModel:
+    """Expected tokens still to come for a running sequence, from the output lengths of the
+    last ``window`` finished ones: E[ℓ − L | ℓ > L] over those longer than its current length
+    L, capped by its own ``max_tokens``; its cap when none was that long (or none finished
+    yet: optimistic, the long tail is where speculation pays)."""
+
+    def __init__(self, window: int = 512) -> None:
+        self._recent: deque[int] = deque(maxlen=window)
+        self._sorted: list[int] = []
+        self._suffix: list[int] | None = None  # Σ of _sorted[i:], built when asked
+
+    def observe(self, length: int) -> None:
+        if len(self._recent) == self._recent.maxlen:
+            del self._sorted[bisect.bisect_left(self._sorted, self._recent[0])]
+        self._recent.append(length)
+        bisect.insort(self._sorted, length)
+        self._suffix = None
+
+    def expected_remaining(self, length: int, max_tokens: int) -> float:
+        cap = max(max_tokens - length, 0)
+        i = bisect.bisect_right(self._sorted, length)
+        longer = len(self._sorted) - i
+        if not longer:
+            return float(cap)
+        if self._suffix is None:
+            acc, suffix = 0, [0] * (len(self._sorted) + 1)
+            for j in range(len(self._sorted) - 1, -1, -1):
+                acc += self._sorted[j]
+                suffix[j] = acc
+            self._suffix = suffix
+        return min(self._suffix[i] / longer - length, float(cap))
 
 
 class RunningMean:
@@ -253,25 +322,31 @@ class EpsilonGreedy:
 
 
 class SpeculationGate:
-    """On/off from the expected speedup, with hysteresis (probing is the controller's).
+    """On/off from the expected speedup, with hysteresis, one state per batch size (probing is
+    the controller's).
 
     Off as soon as speculation is expected to lose (speedup < 1): a neutral drafter (one that
     rarely finds a draft) must not keep a full batch speculating.  On again only for a clear
-    win (speedup > 1 + h), so a batch size near the break-even point does not flap.
+    win (speedup > 1 + h), so a batch size near the break-even point does not flap.  The state
+    is kept per batch size: the on state of a shrinking batch's tail must not carry over to the
+    next full wave (a fresh batch size starts on: optimistic).
     """
 
     def __init__(self, hysteresis: float = 0.1) -> None:
         self.hysteresis = hysteresis
-        self.on = True
+        self.states: dict[int, bool] = {}
+        self.on = True  # the state of the batch size decided last
         self.switches = 0
 
-    def decide(self, speedup: float) -> bool:
-        """Update the state from ``speedup``; True while speculation is on."""
-        if self.on and speedup < 1:
-            self.on, self.switches = False, self.switches + 1
-        elif not self.on and speedup > 1 + self.hysteresis:
-            self.on, self.switches = True, self.switches + 1
-        return self.on
+    def decide(self, speedup: float, batch_size: int = 0) -> bool:
+        """Update the state of ``batch_size`` from ``speedup``; True while speculation is on."""
+        on = self.states.get(batch_size, True)
+        if on and speedup < 1:
+            on, self.switches = False, self.switches + 1
+        elif not on and speedup > 1 + self.hysteresis:
+            on, self.switches = True, self.switches + 1
+        self.states[batch_size] = self.on = on
+        return on
 
 
 @dataclass
@@ -289,10 +364,19 @@ class SpecController:
     """The engine's speculation policy: gate the step, pick its arm, learn.
 
     The bandit's value of an arm at batch size B is the throughput it would give if the whole
-    batch drafted with it, B·τ̂ / (t(B·f̂, B·(k + 1)) + d(B·k, k)): acceptance (τ̂, f̂) is learned
-    per arm from every verification whatever the batch size (it does not depend on B), the cost
-    comes from the fitted models.  So every batch size benefits from what any other measured,
-    and the gate and the bandit agree on one estimate.
+    batch drafted with it, B·τ̂ / (t_s(B·f̂, B·(k + 1)) + d(B·k, k, B·τ̂) + X/n): acceptance
+    (τ̂, f̂) is learned per arm from every verification whatever the batch size (it does not
+    depend on B), the costs come from the fitted models, X is the one-off catch-up of the
+    proposer's backlog beyond its steady state (the positions an EAGLE-3 draft has not seen
+    since the gate turned it off) spread over the n speculative steps the running sequences'
+    remaining tokens are expected to last (:class:`LengthModel`).  So every batch size
+    benefits from what any other measured, a drafter's backlog is paid only where the tokens
+    still to come repay it, and the gate and the bandit agree on one estimate.
+
+    Plain steps (one query row per sequence) and speculative ones share the step-time fit
+    but not its fixed cost: t = a + b·T + c·P + s·[speculative] (drafts, their q and the
+    ratio test cost a speculative step more whatever its size); one line through both would
+    predict a plain step at the speculative steps' intercept.
     """
 
     def __init__(
@@ -308,7 +392,8 @@ class SpecController:
         seed: int = 0,
     ) -> None:
         self.arms = tuple(Arm(p, k) for p in proposers for k in k_choices(max_k))
-        self.cost = CostModel(cost_window)
+        self.cost = CostModel(cost_window, features=3)  # (T, P, speculative) → seconds
+        self.lengths = LengthModel()
         self.bandit = EpsilonGreedy(self.arms, epsilon, seed) if self.arms else None
         self.gate = SpeculationGate(hysteresis)
         self.gating = gate
@@ -321,34 +406,95 @@ class SpecController:
         rate = 1.0 / ARM_MEMORY
         self._shape = {a: _ArmShape(RunningMean(rate), RunningMean(rate)) for a in self.arms}
         self.draft_cost = {p: DraftCost(cost_window) for p in proposers}
+        self._recorded = 0  # verifications recorded: acceptance estimates change with it
+        self._secs_key: tuple = ()
+        self._secs: dict[Arm, tuple[float, float]] = {}
 
-    def expected_rate(self, batch_size: int, arm: Arm) -> float:
-        """Tokens per second if all ``batch_size`` sequences draft with ``arm``:
-        B·τ̂ / (t(B·f̂, B·(k+1)) + d(B·k, k)), τ̂ tokens emitted and f̂ fed per verification (an
-        untried arm counts as fully accepted), d the proposer's drafting time."""
+    def plain_seconds(self, batch_size: int) -> float:
+        """Predicted time of a plain decode step of ``batch_size`` sequences."""
+        return self.cost.predict(batch_size, batch_size, 0.0)
+
+    def spec_seconds(self, tokens: float, padded: float) -> float:
+        """Predicted target time of a speculative step feeding ``tokens`` in ``padded`` query
+        rows."""
+        return self.cost.predict(tokens, padded, 1.0)
+
+    def _acceptance(self, arm: Arm) -> tuple[float, float]:
+        """(τ̂, f̂): tokens emitted and fed per verification (untried: fully accepted)."""
         shape = self._shape[arm]
         if shape.emitted.count:
-            tau, fed = shape.emitted.value, shape.fed.value
-        else:
-            tau = fed = arm.k + 1.0
-        spec = self.cost.predict(batch_size * fed, batch_size * (arm.k + 1))
-        spec += self.draft_seconds(arm, batch_size)
+            return shape.emitted.value, shape.fed.value
+        return arm.k + 1.0, arm.k + 1.0
+
+    def catch_up_seconds(self, arm: Arm, batch_size: int, backlog: int) -> float:
+        """One-off cost of the ``backlog`` positions ``arm.proposer`` has queued for the batch,
+        beyond the B·τ̂ of a step in steady state (already in :meth:`draft_seconds`)."""
+        excess = backlog - batch_size * self._acceptance(arm)[0]
+        if excess <= 0:
+            return 0.0
+        return self.draft_cost[arm.proposer].coefficients()[3] * excess
+
+    def _step_seconds(self, batch_size: int, arm: Arm) -> tuple[float, float]:
+        """(τ̂, predicted seconds of a steady-state step in which all ``batch_size`` sequences
+        draft with ``arm``: target plus drafting)."""
+        tau, fed = self._acceptance(arm)
+        spec = self.spec_seconds(batch_size * fed, batch_size * (arm.k + 1))
+        return tau, spec + self.draft_seconds(arm, batch_size)
+
+    def _all_step_seconds(self, batch_size: int) -> dict[Arm, tuple[float, float]]:
+        """:meth:`_step_seconds` of every arm, reused while neither a fit nor an acceptance
+        estimate changed (while the gate is off, for many steps)."""
+        for model in (self.cost, *self.draft_cost.values()):
+            model.coefficients()  # refit if due
+        key = (
+            batch_size,
+            self._recorded,
+            self.cost.solves,
+            *(m.solves for m in self.draft_cost.values()),
+        )
+        if key != self._secs_key:
+            self._secs = {arm: self._step_seconds(batch_size, arm) for arm in self.arms}
+            self._secs_key = key
+        return self._secs
+
+    def expected_rate(
+        self, batch_size: int, arm: Arm, catch_up: float = 0.0, remaining: float | None = None
+    ) -> float:
+        """Tokens per second if all ``batch_size`` sequences draft with ``arm``:
+        B·τ̂ / (t_s(B·f̂, B·(k+1)) + d(B·k, k, B·τ̂) + X/n), τ̂ tokens emitted and f̂ fed per
+        verification (an untried arm counts as fully accepted), d the proposer's drafting
+        time, X = ``catch_up`` seconds spread over the n = ``remaining``/(B·τ̂) steps the
+        batch's remaining tokens last (None: unknown, X left out)."""
+        tau, spec = self._step_seconds(batch_size, arm)
+        if catch_up > 0 and remaining is not None:
+            spec += catch_up * batch_size * tau / max(remaining, batch_size * tau)
         return batch_size * tau / spec if spec > 0 else float("inf")
 
     def expected_speedup(self, batch_size: int, rates: Mapping[Arm, float] | None = None) -> float:
-        """The best arm's expected rate over plain decoding's, B / t(B, B) (``rates``: the
+        """The best arm's expected rate over plain decoding's, B / t_p(B) (``rates``: the
         arms' :meth:`expected_rate` at this batch size, when already computed)."""
         if rates is None:
             rates = {arm: self.expected_rate(batch_size, arm) for arm in self.arms}
-        return max(rates.values()) * self.cost.predict(batch_size, batch_size) / batch_size
+        return max(rates.values()) * self.plain_seconds(batch_size) / batch_size
 
     def draft_seconds(self, arm: Arm, batch_size: int) -> float:
         """Predicted time of one ``propose`` call in which ``batch_size`` sequences all draft
-        ``arm.k`` tokens with ``arm.proposer`` (0 before its first call)."""
-        return self.draft_cost[arm.proposer].predict(batch_size * arm.k, arm.k)
+        ``arm.k`` tokens with ``arm.proposer``, in steady state (B·τ̂ positions to catch up;
+        0 before its first call)."""
+        tau = self._acceptance(arm)[0]
+        return self.draft_cost[arm.proposer].predict(batch_size * arm.k, arm.k, batch_size * tau)
 
-    def plan(self, batch_size: int) -> list[Arm] | None:
+    def plan(
+        self,
+        batch_size: int,
+        backlog: Mapping[str, int] | None = None,
+        remaining: Callable[[], float] | None = None,
+    ) -> list[Arm] | None:
         """The arm of every sequence for a speculative step, or None for a plain step.
+
+        ``backlog``: positions each proposer has queued for these sequences
+        (:meth:`Proposer.backlog`); ``remaining``: the batch's expected remaining tokens (asked
+        only when some proposer has a backlog to pay for).
 
         One decision per step, shared by its sequences: a step that mixes arms pays every extra
         proposer's per-call cost and the longest chain (and, with a padding kernel, the longest
@@ -357,27 +503,48 @@ class SpecController:
         proposer.)
 
         Probes keep both sides of the comparison measured.  While the gate is off, one step in
-        ``max(1, (1 − S)/h) / probe`` speculates anyway (acceptance estimates stay fresh: a new
-        epoch, new weights or a shrinking batch can make speculation pay again; rarer the
-        clearer the loss).  While it is on, one step in ``1/probe`` runs plain, whatever S says:
-        S itself depends on the plain step time t(B, B), which must be measured, not
-        extrapolated from speculative steps.
+        ``max(1, (1 − S₁)/h) / probe`` speculates anyway, S₁ the speedup of that one step (its
+        whole catch-up included): acceptance estimates stay fresh (new weights can make
+        speculation pay again), rarer the clearer the loss.  While it is on, one step in
+        ``1/probe`` runs plain, whatever S says: S itself depends on the plain step time
+        t_p(B), which must be measured, not extrapolated from speculative steps.
         """
         if self.bandit is None:
             self.plain_steps += 1
             return None
-        rates = {arm: self.expected_rate(batch_size, arm) for arm in self.arms}
+        secs = self._all_step_seconds(batch_size)
+        t_plain = self.plain_seconds(batch_size)
+        rates = {
+            arm: batch_size * tau / t if t > 0 else float("inf") for arm, (tau, t) in secs.items()
+        }
+        catch_up = {
+            arm: self.catch_up_seconds(arm, batch_size, backlog.get(arm.proposer, 0))
+            for arm in self.arms
+        } if backlog else {}  # fmt: skip
+        speedup = max(rates.values()) * t_plain / batch_size
+        if remaining is not None and speedup >= 1 and any(catch_up.values()):
+            # a backlog only lowers S: its horizon is worth asking for where S would be ≥ 1
+            left = remaining()
+            for arm, x in catch_up.items():
+                tau, t = secs[arm]
+                t += x * batch_size * tau / max(left, batch_size * tau)  # X over n steps
+                rates[arm] = batch_size * tau / t if t > 0 else float("inf")
+            speedup = max(rates.values()) * t_plain / batch_size
         if self.gating:
-            speedup = self.expected_speedup(batch_size, rates)
             h = max(self.gate.hysteresis, 1e-9)
-            if self.gate.decide(speedup):
+            if self.gate.decide(speedup, batch_size):
                 self._spec_run += 1
                 if self.probe > 0 and self._spec_run >= 1 / self.probe:
                     return self._plain()
             else:
                 self._plain_run += 1
-                wait = max(1.0, (1 - speedup) / h) / self.probe if self.probe > 0 else float("inf")
-                if self._plain_run < wait:
+                if self.probe <= 0:
+                    return self._plain()
+                best = max(rates, key=rates.__getitem__)
+                tau, t = secs[best]
+                t += catch_up.get(best, 0.0)  # a probe pays the whole catch-up
+                s1 = tau * t_plain / t if t > 0 else float("inf")
+                if self._plain_run < max(1.0, (1 - s1) / h) / self.probe:
                     return self._plain()
         self._plain_run = 0
         self.spec_steps += 1
@@ -391,10 +558,12 @@ class SpecController:
         self.plain_steps += 1
         return None
 
-    def record_draft(self, proposer: str, tokens: int, chain: int, seconds: float) -> None:
+    def record_draft(
+        self, proposer: str, tokens: int, chain: int, seconds: float, backlog: int = 0
+    ) -> None:
         """One ``propose`` call of ``proposer``: ``tokens`` asked in all (Σ caps), ``chain`` the
-        longest cap, taking ``seconds``."""
-        self.draft_cost[proposer].observe(tokens, chain, seconds)
+        longest cap, ``backlog`` positions it had queued, taking ``seconds``."""
+        self.draft_cost[proposer].observe(tokens, chain, backlog, seconds)
 
     def record(self, arm: Arm, k_used: int, emitted: int) -> None:
         """One sequence's verification under ``arm``: it drafted ``k_used`` tokens and emitted
@@ -402,34 +571,39 @@ class SpecController:
         shape = self._shape[arm]
         shape.emitted.add(emitted)
         shape.fed.add(k_used + 1)
+        self._recorded += 1
 
-    def record_step(self, tokens: int, padded: int, seconds: float) -> None:
-        """Target time of one decode step (its prefill and drafting time taken out):
-        ``tokens`` fed, ``padded`` query rows."""
-        self.cost.observe(tokens, padded, seconds)
+    def record_step(self, tokens: int, padded: int, seconds: float, batch_size: int) -> None:
+        """Target time of one decode step of ``batch_size`` sequences (its prefill and
+        drafting time taken out): ``tokens`` fed, ``padded`` query rows.  A step with one
+        query row per sequence (``padded == batch_size``) is a plain step, whether or not it
+        was planned as speculative (no proposer found a draft)."""
+        self.cost.observe(tokens, padded, float(padded != batch_size), seconds)
+
+    def record_finished(self, output_tokens: int) -> None:
+        """A sequence finished with ``output_tokens`` generated (the length model)."""
+        self.lengths.observe(output_tokens)
 
     def to_dict(self) -> dict:
-        a, b, c = self.cost.coefficients()
+        def fit(model: CostModel, names: Sequence[str]) -> dict:
+            out = dict(zip(names, model.coefficients(), strict=True))
+            out["points"] = model.num_observations
+            return out
+
+        step_names = ("a_s", "b_s_per_token", "c_s_per_padded_row", "s_s_per_speculative_step")
         return {
             "gate_on": self.gate.on,
             "gate_switches": self.gate.switches,
+            "gate_on_batch_sizes": sorted(b for b, on in self.gate.states.items() if on),
             "spec_steps": self.spec_steps,  # speculative decode steps (probes included)
             "plain_steps": self.plain_steps,
-            "cost_model": {
-                "a_s": a,
-                "b_s_per_token": b,
-                "c_s_per_padded_row": c,
-                "points": self.cost.num_observations,
-            },
+            "cost_model": fit(self.cost, step_names),
             "draft_cost": {
-                name: {
-                    "a_s": da,
-                    "b_s_per_token": db,
-                    "c_s_per_chain_position": dc,
-                    "points": model.num_observations,
-                }
+                name: fit(
+                    model,
+                    ("a_s", "b_s_per_token", "c_s_per_chain_position", "e_s_per_backlog_row"),
+                )
                 for name, model in self.draft_cost.items()
-                for da, db, dc in [model.coefficients()]
             },
             "selections": {k: v for k, v in self.selections.items() if v},
         }

@@ -26,6 +26,11 @@ slots compact).  A proposer with per-slot state (a KV cache indexed by ``seq.slo
 ``move(moves)``: for each ``(seq, new_slot)`` copy that state from ``seq.slot`` (still the old
 slot during the call) to ``new_slot``.  Proposers without per-slot state need no ``move``.
 
+A proposer that defers work until it drafts (EAGLE-3 runs its step-0 pass over the positions
+committed since its last call only when it next drafts) implements ``backlog(batch) -> int``:
+the positions it has queued for those sequences.  The engine's gate charges that catch-up to
+the decision to draft again (:mod:`specrl.rollout.gating`); proposers without it have none.
+
 A :class:`Draft` with ``probs=None`` is one-hot (the verifier then needs no q); otherwise
 ``probs[i]`` is the full-vocabulary distribution ``tokens[i]`` was sampled from, already
 processed with the request's temperature/top-k/top-p if the proposer samples (the ratio test
