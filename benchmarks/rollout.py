@@ -11,7 +11,8 @@ size B (concurrent requests), every variant decodes the same prompts with the sa
   behind the batch-size gate;
 - with ``--compile``, also ``specrl plain compiled`` and ``specrl best-of-N compiled``: the same
   engines with ``RolloutEngine(compile=True)`` (the decode step under ``torch.compile``,
-  :mod:`specrl.rollout.compiled`; the drafts stay eager), compiled during the warm-up runs;
+  :mod:`specrl.rollout.compiled`; EAGLE-3's drafting passes too), compiled before the warm-up
+  runs;
 - ``hf plain``: ``model.generate`` (greedy, or ``do_sample`` at T = 1 with top-k/top-p off);
 - ``hf prompt lookup``: assisted generation with ``prompt_lookup_num_tokens``; ``transformers``
   allows it at batch size 1 only ("assisted generate is only supported for batch_size = 1"), so
@@ -23,8 +24,10 @@ At B = 1 both decode the prompts one after the other; at B ≥ 8 P = B, one wave
 batching gives specrl no refill advantage.  Tokens = generated tokens up to and including eos
 (``transformers`` keeps finished rows in its batch until all are done: that is its real cost).
 
-Engines are built once per (mode, B) and warmed with two runs on other prompts (allocations,
-the gate's cost model, the bandit: an RL engine lives for the whole run).  Each measured repeat
+Engines are built once per (mode, B), compiled ones call ``RolloutEngine.warmup()`` (every
+graph class, as ``specrl rollout serve`` does before it reports healthy), and all are warmed
+with two runs on other prompts (allocations, the gate's cost model, the bandit: an RL engine
+lives for the whole run).  Each measured repeat
 uses a fresh prompt set (the same for every variant), so the n-gram proposer's history of earlier
 responses never holds the prompt being decoded: n-gram drafts come from the prompt and the
 sequence itself, as with prompt lookup.  Variants are interleaved, in a rotated order per repeat,
@@ -202,6 +205,8 @@ def measure_batch(setup: Setup, batch: int, repeats: int) -> dict[str, list[dict
         )
         for name, spec in setup.specs.items()
     }  # fmt: skip
+    for engine in engines.values():
+        engine.warmup()  # compiled engines: every graph class now, as a server does (else 0)
     count = max(batch, 8)
     names = [*setup.specs, *HF]
     for w in range(2):  # warm-up on other prompts

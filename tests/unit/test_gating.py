@@ -207,14 +207,16 @@ def test_gate_hysteresis():
 
 def test_gate_state_is_kept_per_batch_size():
     """A shrinking batch's tail may turn speculation on; the next full wave must start from
-    the full batch's own state, not the tail's (a fresh batch size starts on)."""
+    the full batch's own state, not the tail's.  An unseen batch size starts from the nearest
+    one seen (the very first: on), so the hysteresis holds along a shrinking batch."""
     gate = SpeculationGate(hysteresis=0.1)
     assert not gate.decide(0.8, 32)  # full batch: off
-    assert gate.decide(1.5, 4)  # the tail: on
-    assert not gate.decide(1.05, 32)  # the next wave: still off (1.05 < 1 + h) ...
+    assert not gate.decide(1.05, 31)  # unseen, as 32: stays off (1.05 < 1 + h)
+    assert gate.decide(1.5, 4)  # the tail: a clear win turns it on
+    assert not gate.decide(1.05, 32)  # the next wave: still off ...
     assert gate.decide(1.05, 4)  # ... while the tail's state stays on
-    assert gate.decide(1.02, 16)  # unseen: on until it loses
-    assert gate.switches == 1
+    assert gate.decide(1.02, 12)  # unseen, nearest is 4: on until it loses
+    assert gate.switches == 2
 
 
 def test_controller_predicts_plain_steps_at_their_own_fixed_cost():
@@ -223,8 +225,9 @@ def test_controller_predicts_plain_steps_at_their_own_fixed_cost():
     step of a full batch is not predicted at the speculative steps' intercept."""
     ctrl = SpecController(["x"], 4, seed=0)
     for batch in (32, 24, 16, 8, 4, 1):
-        ctrl.record_step(batch, batch, 0.004 + 1e-5 * batch, batch)
-        for k in (1, 4):
+        for _ in range(2):  # the first step after a switch of kind is no sample
+            ctrl.record_step(batch, batch, 0.004 + 1e-5 * batch, batch)
+        for k in (1, 1, 4):
             rows = batch * (k + 1)
             ctrl.record_step(rows, rows, 0.007 + 1e-5 * rows, batch)
     assert ctrl.plain_seconds(32) == pytest.approx(0.004 + 32e-5)
@@ -232,13 +235,39 @@ def test_controller_predicts_plain_steps_at_their_own_fixed_cost():
     assert ctrl.to_dict()["cost_model"]["s_s_per_speculative_step"] == pytest.approx(0.003)
 
 
+def test_a_step_that_switches_kind_is_no_timing_sample():
+    """Right after speculative steps a plain step runs with caches cold (and vice versa): its
+    time is the switch's, not plain decoding's.  Only steps of the same kind as the one before
+    feed the fit."""
+    ctrl = SpecController(["x"], 4, seed=0)
+    kinds = [False, False, True, True, True, False, True, False, False]  # speculative?
+    for speculative in kinds:
+        rows = 32 * (5 if speculative else 1)
+        ctrl.record_step(rows, rows, 0.01 if speculative else 0.002, 32)
+    assert ctrl.switch_steps == 4
+    assert ctrl.cost.num_observations == len(kinds) - 4
+    assert ctrl.plain_seconds(32) == pytest.approx(0.002)  # not dragged up by the switches
+
+
+def test_probes_run_two_steps_so_one_is_a_sample():
+    """With the gate on, plain probes come as runs of PROBE_STEPS = 2 plain steps, one run per
+    2/probe speculative steps (the same share of plain steps as single probes every 1/probe)."""
+    ctrl = SpecController(["x"], 4, probe=0.05, seed=0)
+    kinds = "".join("p" if ctrl.plan(1) is None else "s" for _ in range(200))
+    assert ctrl.gate.on
+    runs = [run for run in kinds.split("s") if run]
+    assert runs == ["pp"] * len(runs) and len(runs) == 200 // 41
+    assert kinds.index("p") == 39  # the 2/probe-th step is the probe's first
+
+
 def _trained_chain_controller() -> SpecController:
     """A latency-bound target (t = 1 s + 10 ms per token), a chain drafter costing 0.1 s a
     call plus 1 ms per queued position it catches up, every draft accepted."""
     ctrl = SpecController(["chain"], 2, seed=0)
     for batch in (1, 4, 8, 16):
-        ctrl.record_step(batch, batch, 1.0 + 0.01 * batch, batch)
-        for arm in ctrl.arms:
+        for _ in range(2):  # the first step after a switch of kind is no sample
+            ctrl.record_step(batch, batch, 1.0 + 0.01 * batch, batch)
+        for arm in (ctrl.arms[0], *ctrl.arms):
             rows = batch * (arm.k + 1)
             ctrl.record_step(rows, rows, 1.0 + 0.01 * rows, batch)
     for n, k, backlog in ((8, 2, 24), (1, 1, 2), (16, 2, 900), (4, 1, 40), (8, 2, 3000)):
@@ -512,7 +541,10 @@ def test_every_decode_step_feeds_the_cost_model(model):
     engine.generate([Request(p, SamplingParams(max_tokens=10, temperature=0)) for p in PROMPTS[:7]])
     s = engine.stats()
     assert s["prefill_forwards"] > 1  # steps with admissions are measured too (prefill excluded)
-    assert s["gating"]["cost_model"]["points"] == s["decode_forwards"]
+    # every decode step is a sample, but those that switched between plain and speculative
+    gating = s["gating"]
+    assert gating["switch_steps"] > 0
+    assert gating["cost_model"]["points"] + gating["switch_steps"] == s["decode_forwards"]
 
 
 def test_engine_decisions_are_deterministic_with_injected_timings(model):

@@ -400,14 +400,15 @@ class RolloutEngine:
         if decode is not None:
             # a step that compiled a graph took seconds of compilation: no timing sample
             timed = graphs == self.compiled_graphs
+            target = None
             if timed:
                 # the target's decode share of the step: without the prefill and the drafting
                 target = seconds - sum(call[3] for call in decode.draft_calls)
                 if prefill is not None:
                     target -= self._stopwatch.seconds(start, stop)
-                padded = len(decode.seqs) * max(decode.num_rows)
-                tokens = sum(decode.num_rows)
-                self.controller.record_step(tokens, padded, target, len(decode.seqs))
+            padded = len(decode.seqs) * max(decode.num_rows)
+            tokens = sum(decode.num_rows)
+            self.controller.record_step(tokens, padded, target, len(decode.seqs))
             self._learn(decode, host[-1], timed)
         return finished
 

@@ -329,7 +329,9 @@ class SpeculationGate:
     rarely finds a draft) must not keep a full batch speculating.  On again only for a clear
     win (speedup > 1 + h), so a batch size near the break-even point does not flap.  The state
     is kept per batch size: the on state of a shrinking batch's tail must not carry over to the
-    next full wave (a fresh batch size starts on: optimistic).
+    next full wave.  A batch size not seen yet starts in the state of the nearest one seen (so
+    a shrinking batch keeps the hysteresis along the way), the very first one on
+    (optimistic: speculation gets measured).
     """
 
     def __init__(self, hysteresis: float = 0.1) -> None:
@@ -340,7 +342,10 @@ class SpeculationGate:
 
     def decide(self, speedup: float, batch_size: int = 0) -> bool:
         """Update the state of ``batch_size`` from ``speedup``; True while speculation is on."""
-        on = self.states.get(batch_size, True)
+        on = self.states.get(batch_size)
+        if on is None:  # unseen: as the nearest batch size seen (S(B) is smooth in B), else on
+            near = min(self.states, key=lambda b: (abs(b - batch_size), b), default=None)
+            on = True if near is None else self.states[near]
         if on and speedup < 1:
             on, self.switches = False, self.switches + 1
         elif not on and speedup > 1 + self.hysteresis:
@@ -358,6 +363,10 @@ class _ArmShape:
 
 
 ARM_MEMORY = 128  # verifications an arm's acceptance estimate averages over (then an EMA)
+# steps of a probe: the first step after a switch between plain and speculative steps is no
+# timing sample (it pays the switch: caches cold after the other kind's forwards, a drafter's
+# catch-up), so a probe runs on for one more step that is
+PROBE_STEPS = 2
 
 
 class SpecController:
@@ -400,6 +409,10 @@ class SpecController:
         self.probe = probe
         self._plain_run = 0  # plain steps since the last speculative one
         self._spec_run = 0  # speculative steps since the last plain one
+        self._probe_left = 0  # further steps of the probe under way
+        self._probe_plain = False  # its kind
+        self._last_speculative: bool | None = None  # the kind of the last decode step
+        self.switch_steps = 0  # decode steps that switched kind (no timing sample)
         self.spec_steps = 0
         self.plain_steps = 0
         self.selections: dict[str, int] = {str(a): 0 for a in self.arms}
@@ -502,12 +515,15 @@ class SpecController:
         step at a large batch.  (The engine still reports acceptance per request and per
         proposer.)
 
-        Probes keep both sides of the comparison measured.  While the gate is off, one step in
-        ``max(1, (1 − S₁)/h) / probe`` speculates anyway, S₁ the speedup of that one step (its
-        whole catch-up included): acceptance estimates stay fresh (new weights can make
-        speculation pay again), rarer the clearer the loss.  While it is on, one step in
-        ``1/probe`` runs plain, whatever S says: S itself depends on the plain step time
-        t_p(B), which must be measured, not extrapolated from speculative steps.
+        Probes keep both sides of the comparison measured, in runs of :data:`PROBE_STEPS`
+        steps (the engine takes no target timing from a step that switches kind).  While the
+        gate is off, a probe speculates once in ``PROBE_STEPS · max(1, (1 − S₁)/h) / probe``
+        steps, S₁ the speedup of its first step (the whole catch-up included): acceptance
+        estimates stay fresh (new weights can make speculation pay again), rarer the clearer
+        the loss.  While it is on, a probe runs plain once in ``PROBE_STEPS / probe`` steps,
+        whatever S says: S itself depends on the plain step time t_p(B), which must be
+        measured, not extrapolated from speculative steps.  Either way about ``probe`` of the
+        steps, at most.
         """
         if self.bandit is None:
             self.plain_steps += 1
@@ -532,9 +548,15 @@ class SpecController:
             speedup = max(rates.values()) * t_plain / batch_size
         if self.gating:
             h = max(self.gate.hysteresis, 1e-9)
-            if self.gate.decide(speedup, batch_size):
+            on = self.gate.decide(speedup, batch_size)
+            if self._probe_left > 0:  # a probe's further steps (its first one paid the switch)
+                self._probe_left -= 1
+                if self._probe_plain:
+                    return self._plain()
+            elif on:
                 self._spec_run += 1
-                if self.probe > 0 and self._spec_run >= 1 / self.probe:
+                if self.probe > 0 and self._spec_run >= PROBE_STEPS / self.probe:
+                    self._probe_left, self._probe_plain = PROBE_STEPS - 1, True
                     return self._plain()
             else:
                 self._plain_run += 1
@@ -544,8 +566,9 @@ class SpecController:
                 tau, t = secs[best]
                 t += catch_up.get(best, 0.0)  # a probe pays the whole catch-up
                 s1 = tau * t_plain / t if t > 0 else float("inf")
-                if self._plain_run < max(1.0, (1 - s1) / h) / self.probe:
+                if self._plain_run < PROBE_STEPS * max(1.0, (1 - s1) / h) / self.probe:
                     return self._plain()
+                self._probe_left, self._probe_plain = PROBE_STEPS - 1, False
         self._plain_run = 0
         self.spec_steps += 1
         samples = {arm: shape.emitted.count for arm, shape in self._shape.items()}
@@ -573,12 +596,19 @@ class SpecController:
         shape.fed.add(k_used + 1)
         self._recorded += 1
 
-    def record_step(self, tokens: int, padded: int, seconds: float, batch_size: int) -> None:
+    def record_step(self, tokens: int, padded: int, seconds: float | None, batch_size: int) -> None:
         """Target time of one decode step of ``batch_size`` sequences (its prefill and
-        drafting time taken out): ``tokens`` fed, ``padded`` query rows.  A step with one
-        query row per sequence (``padded == batch_size``) is a plain step, whether or not it
-        was planned as speculative (no proposer found a draft)."""
-        self.cost.observe(tokens, padded, float(padded != batch_size), seconds)
+        drafting time taken out; None: no timing sample, e.g. it compiled a graph): ``tokens``
+        fed, ``padded`` query rows.  A step with one query row per sequence
+        (``padded == batch_size``) is a plain step, whether or not it was planned as
+        speculative (no proposer found a draft).  A step of the other kind than the one before
+        it is no sample either: it pays the switch (:data:`PROBE_STEPS`)."""
+        speculative = padded != batch_size
+        last, self._last_speculative = self._last_speculative, speculative
+        switched = last is not None and last != speculative
+        self.switch_steps += switched
+        if seconds is not None and not switched:
+            self.cost.observe(tokens, padded, float(speculative), seconds)
 
     def record_finished(self, output_tokens: int) -> None:
         """A sequence finished with ``output_tokens`` generated (the length model)."""
@@ -597,6 +627,7 @@ class SpecController:
             "gate_on_batch_sizes": sorted(b for b, on in self.gate.states.items() if on),
             "spec_steps": self.spec_steps,  # speculative decode steps (probes included)
             "plain_steps": self.plain_steps,
+            "switch_steps": self.switch_steps,  # steps of the other kind than the one before
             "cost_model": fit(self.cost, step_names),
             "draft_cost": {
                 name: fit(
