@@ -533,19 +533,21 @@ class SpecController:
         rates = {
             arm: batch_size * tau / t if t > 0 else float("inf") for arm, (tau, t) in secs.items()
         }
-        catch_up = {
-            arm: self.catch_up_seconds(arm, batch_size, backlog.get(arm.proposer, 0))
-            for arm in self.arms
-        } if backlog else {}  # fmt: skip
         speedup = max(rates.values()) * t_plain / batch_size
-        if remaining is not None and speedup >= 1 and any(catch_up.values()):
-            # a backlog only lowers S: its horizon is worth asking for where S would be ≥ 1
-            left = remaining()
-            for arm, x in catch_up.items():
-                tau, t = secs[arm]
-                t += x * batch_size * tau / max(left, batch_size * tau)  # X over n steps
-                rates[arm] = batch_size * tau / t if t > 0 else float("inf")
-            speedup = max(rates.values()) * t_plain / batch_size
+        catch_up: dict[Arm, float] = {}
+        if backlog and speedup >= 1:
+            # a backlog only lowers S: it and its horizon matter only where S would be ≥ 1
+            catch_up = {
+                arm: self.catch_up_seconds(arm, batch_size, backlog.get(arm.proposer, 0))
+                for arm in self.arms
+            }
+            if remaining is not None and any(catch_up.values()):
+                left = remaining()
+                for arm, x in catch_up.items():
+                    tau, t = secs[arm]
+                    t += x * batch_size * tau / max(left, batch_size * tau)  # X over n steps
+                    rates[arm] = batch_size * tau / t if t > 0 else float("inf")
+                speedup = max(rates.values()) * t_plain / batch_size
         if self.gating:
             h = max(self.gate.hysteresis, 1e-9)
             on = self.gate.decide(speedup, batch_size)
@@ -564,7 +566,10 @@ class SpecController:
                     return self._plain()
                 best = max(rates, key=rates.__getitem__)
                 tau, t = secs[best]
-                t += catch_up.get(best, 0.0)  # a probe pays the whole catch-up
+                if backlog:  # a probe pays the whole catch-up
+                    t += catch_up.get(best) or self.catch_up_seconds(
+                        best, batch_size, backlog.get(best.proposer, 0)
+                    )
                 s1 = tau * t_plain / t if t > 0 else float("inf")
                 if self._plain_run < PROBE_STEPS * max(1.0, (1 - s1) / h) / self.probe:
                     return self._plain()

@@ -40,12 +40,29 @@ from specrl.rollout.compiled import Compiled
 from specrl.rollout.proposers import Draft, ProposerContext, SeqState, register_proposer
 
 
+class _StepTaps:
+    """One target forward's committed taps, concatenated ([T, 3·H_target]) only when a
+    catch-up first reads them: while the gate keeps drafting off, most never are."""
+
+    __slots__ = ("_feats", "_layers", "_taps")
+
+    def __init__(self, taps: dict[int, torch.Tensor], layers: tuple[int, ...]) -> None:
+        self._taps, self._layers = taps, layers
+        self._feats: torch.Tensor | None = None
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        if self._feats is None:
+            self._feats = Eagle3Draft.concat_taps(self._taps, self._layers)
+            self._taps = {}
+        return self._feats[rows]
+
+
 @dataclass
 class _State:
     h_last: torch.Tensor | None = None  # [H] pre-norm output at the last committed position
     main_len: int = 0  # draft cache rows holding step-0 entries
-    # tap rows not yet in the cache: (step's concatenated taps [T, 3·H_target], first, end row)
-    pending: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
+    # tap rows not yet in the cache: (a step's taps, first row, end row)
+    pending: list[tuple[_StepTaps | torch.Tensor, int, int]] = field(default_factory=list)
     queued: int = 0  # positions in pending
 
 
@@ -124,13 +141,13 @@ class Eagle3Proposer:
         """
         if taps is None:
             raise RuntimeError("eagle3 proposer needs taps; the engine did not provide them")
-        feats = Eagle3Draft.concat_taps(taps, self.tap_layers)  # [Σ committed, 3·H_target]
-        start = 0
+        feats = _StepTaps(taps, self.tap_layers)  # [Σ committed, 3·H_target] when first read
+        start, state = 0, self._state
         for seq, c in zip(batch, committed, strict=True):
             if c > 0 and seq.finish_reason is None:
-                st = self._state.get(seq.seq_id)
+                st = state.get(seq.seq_id)
                 if st is None:
-                    st = self._state[seq.seq_id] = _State()
+                    st = state[seq.seq_id] = _State()
                 st.pending.append((feats, start, start + c))  # sliced when caught up
                 st.queued += c
             start += c
