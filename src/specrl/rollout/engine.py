@@ -780,13 +780,15 @@ class RolloutEngine:
         """Tap rows of the committed positions, sequences in batch order; [Σ committed, H]."""
         if not self.tap_layers:
             return None
+        taps = launch.out["taps"]
+        if not launch.prefill and sum(committed) == next(iter(taps.values())).shape[0]:
+            return taps  # each sequence kept every row it fed (a plain step): no gather
         starts = [launch.input_starts[f] for f in launch.feeder]
         rows = [
             r for start, n in zip(starts, committed, strict=True) for r in range(start, start + n)
         ]
-        taps = launch.out["taps"]
         if rows == list(range(next(iter(taps.values())).shape[0])):
-            return taps  # every fed row kept, in order (e.g. a plain step): no gather
+            return taps  # every fed row kept, in order: no gather
         index = torch.tensor(rows, dtype=torch.int64, device=self.device)
         return {layer: h.index_select(0, index) for layer, h in taps.items()}
 

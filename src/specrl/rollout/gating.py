@@ -43,6 +43,7 @@ small pieces decide, all online, all deterministic given a seed and the measured
 from __future__ import annotations
 
 import bisect
+import itertools
 import random
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -244,12 +245,8 @@ class LengthModel:
         longer = len(self._sorted) - i
         if not longer:
             return float(cap)
-        if self._suffix is None:
-            acc, suffix = 0, [0] * (len(self._sorted) + 1)
-            for j in range(len(self._sorted) - 1, -1, -1):
-                acc += self._sorted[j]
-                suffix[j] = acc
-            self._suffix = suffix
+        if self._suffix is None:  # Σ of _sorted[j:] for every j
+            self._suffix = list(itertools.accumulate(reversed(self._sorted)))[::-1]
         return min(self._suffix[i] / longer - length, float(cap))
 
 
@@ -420,8 +417,8 @@ class SpecController:
         self._shape = {a: _ArmShape(RunningMean(rate), RunningMean(rate)) for a in self.arms}
         self.draft_cost = {p: DraftCost(cost_window) for p in proposers}
         self._recorded = 0  # verifications recorded: acceptance estimates change with it
-        self._secs_key: tuple = ()
-        self._secs: dict[Arm, tuple[float, float]] = {}
+        self._steady_key: tuple = ()  # cache of _steady
+        self._steady_value: tuple = ()
 
     def plain_seconds(self, batch_size: int) -> float:
         """Predicted time of a plain decode step of ``batch_size`` sequences."""
@@ -454,9 +451,10 @@ class SpecController:
         spec = self.spec_seconds(batch_size * fed, batch_size * (arm.k + 1))
         return tau, spec + self.draft_seconds(arm, batch_size)
 
-    def _all_step_seconds(self, batch_size: int) -> dict[Arm, tuple[float, float]]:
-        """:meth:`_step_seconds` of every arm, reused while neither a fit nor an acceptance
-        estimate changed (while the gate is off, for many steps)."""
+    def _steady(self, batch_size: int) -> tuple[dict[Arm, tuple[float, float]], float, float, Arm]:
+        """(:meth:`_step_seconds` of every arm, the plain step's predicted time, the best
+        steady-state speedup, its arm), reused while neither a fit nor an acceptance estimate
+        changed (while the gate is off, for many steps)."""
         for model in (self.cost, *self.draft_cost.values()):
             model.coefficients()  # refit if due
         key = (
@@ -465,10 +463,18 @@ class SpecController:
             self.cost.solves,
             *(m.solves for m in self.draft_cost.values()),
         )
-        if key != self._secs_key:
-            self._secs = {arm: self._step_seconds(batch_size, arm) for arm in self.arms}
-            self._secs_key = key
-        return self._secs
+        if key != self._steady_key:
+            secs = {arm: self._step_seconds(batch_size, arm) for arm in self.arms}
+            t_plain = self.plain_seconds(batch_size)
+
+            def rate(arm: Arm) -> float:
+                tau, t = secs[arm]
+                return tau / t if t > 0 else float("inf")
+
+            best = max(self.arms, key=rate)
+            self._steady_value = (secs, t_plain, rate(best) * t_plain, best)
+            self._steady_key = key
+        return self._steady_value
 
     def expected_rate(
         self, batch_size: int, arm: Arm, catch_up: float = 0.0, remaining: float | None = None
@@ -528,12 +534,8 @@ class SpecController:
         if self.bandit is None:
             self.plain_steps += 1
             return None
-        secs = self._all_step_seconds(batch_size)
-        t_plain = self.plain_seconds(batch_size)
-        rates = {
-            arm: batch_size * tau / t if t > 0 else float("inf") for arm, (tau, t) in secs.items()
-        }
-        speedup = max(rates.values()) * t_plain / batch_size
+        secs, t_plain, speedup, best = self._steady(batch_size)
+        rates: dict[Arm, float] | None = None  # with the catch-up, where it was priced
         catch_up: dict[Arm, float] = {}
         if backlog and speedup >= 1:
             # a backlog only lowers S: it and its horizon matter only where S would be ≥ 1
@@ -543,11 +545,13 @@ class SpecController:
             }
             if remaining is not None and any(catch_up.values()):
                 left = remaining()
+                rates = {}
                 for arm, x in catch_up.items():
                     tau, t = secs[arm]
                     t += x * batch_size * tau / max(left, batch_size * tau)  # X over n steps
                     rates[arm] = batch_size * tau / t if t > 0 else float("inf")
-                speedup = max(rates.values()) * t_plain / batch_size
+                best = max(rates, key=rates.__getitem__)
+                speedup = rates[best] * t_plain / batch_size
         if self.gating:
             h = max(self.gate.hysteresis, 1e-9)
             on = self.gate.decide(speedup, batch_size)
@@ -564,7 +568,6 @@ class SpecController:
                 self._plain_run += 1
                 if self.probe <= 0:
                     return self._plain()
-                best = max(rates, key=rates.__getitem__)
                 tau, t = secs[best]
                 if backlog:  # a probe pays the whole catch-up
                     t += catch_up.get(best) or self.catch_up_seconds(
@@ -576,6 +579,11 @@ class SpecController:
                 self._probe_left, self._probe_plain = PROBE_STEPS - 1, False
         self._plain_run = 0
         self.spec_steps += 1
+        if rates is None:
+            rates = {
+                arm: batch_size * tau / t if t > 0 else float("inf")
+                for arm, (tau, t) in secs.items()
+            }
         samples = {arm: shape.emitted.count for arm, shape in self._shape.items()}
         arm = self.bandit.choose(rates, samples)
         self.selections[str(arm)] += batch_size
