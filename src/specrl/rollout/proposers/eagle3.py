@@ -126,7 +126,6 @@ class Eagle3Proposer:
         self._to_target = self.draft.draft_to_target
 
     # ------------------------------------------------------------------ main entries
-    @torch.no_grad()
     def observe(
         self,
         batch: list[SeqState],

@@ -104,8 +104,8 @@ class NgramProposer:
             del self._groups[live.key]
         if self.history_per_prompt <= 0 or not seq.output:
             return
-        done = live.index  # the finished sequence's tokens no longer change: keep its index
-        done.update()
+        done = live.index  # its tokens no longer change: the index (completed when a draft
+        # first reads it, as every source is) stays valid for later responses to the prompt
         hist = self._history.get(live.key)
         if hist is None:
             hist = self._history[live.key] = deque(maxlen=self.history_per_prompt)
