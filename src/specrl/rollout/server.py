@@ -421,7 +421,7 @@ def prometheus_text(stats: dict[str, Any]) -> str:
     metric(
         "spec_gate_on",
         "gauge",
-        "1 while the batch-size gate allows speculation.",
+        "1 while the batch-size gate allows speculation (at the batch size of the last step).",
         [({}, gate["gate_on"])],
     )
     metric(
