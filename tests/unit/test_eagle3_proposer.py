@@ -161,15 +161,15 @@ def test_backlog_counts_the_positions_the_draft_has_not_seen():
 
     def gated(batch_size, backlog=None, remaining=None):
         planned.append(backlog["eagle3"])
-        running = engine._running
-        unseen.append(sum(s.kv_len - prop._state[s.seq_id].main_len for s in running))
+        states = [prop._state[s.seq_id] for s in engine._running]
+        unseen.append(sum(b - a for st in states for _, a, b in st.pending))  # tap rows queued
         return plan(batch_size, backlog, remaining) if next(speculate, True) else None
 
     ctrl.plan = gated
     ctrl.record_draft = lambda *args: drafted.append(args[4]) or record_draft(*args)
     out = engine.generate([Request(p, greedy(12)) for p in PROMPTS[:2]])
     assert planned[:4] == [11, 13, 15, 17]  # prompts of 6 and 5 tokens, then +2 a plain step
-    assert planned == unseen  # every step: what the draft cache lacks
+    assert planned == unseen  # every step: the tap rows queued for the next catch-up
     assert drafted[0] == 17  # the first drafting call caught up all of it
     assert 2 <= planned[4] <= 2 * 3  # then only what that verification committed
     assert ctrl.lengths.expected_remaining(0, 100) == pytest.approx(

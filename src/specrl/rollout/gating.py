@@ -476,17 +476,12 @@ class SpecController:
             self._steady_key = key
         return self._steady_value
 
-    def expected_rate(
-        self, batch_size: int, arm: Arm, catch_up: float = 0.0, remaining: float | None = None
-    ) -> float:
-        """Tokens per second if all ``batch_size`` sequences draft with ``arm``:
-        B·τ̂ / (t_s(B·f̂, B·(k+1)) + d(B·k, k, B·τ̂) + X/n), τ̂ tokens emitted and f̂ fed per
-        verification (an untried arm counts as fully accepted), d the proposer's drafting
-        time, X = ``catch_up`` seconds spread over the n = ``remaining``/(B·τ̂) steps the
-        batch's remaining tokens last (None: unknown, X left out)."""
+    def expected_rate(self, batch_size: int, arm: Arm) -> float:
+        """Tokens per second if all ``batch_size`` sequences draft with ``arm`` in steady state:
+        B·τ̂ / (t_s(B·f̂, B·(k+1)) + d(B·k, k, B·τ̂)), τ̂ tokens emitted and f̂ fed per
+        verification (an untried arm counts as fully accepted), d the proposer's drafting time
+        (:meth:`plan` adds a backlog's catch-up where it matters)."""
         tau, spec = self._step_seconds(batch_size, arm)
-        if catch_up > 0 and remaining is not None:
-            spec += catch_up * batch_size * tau / max(remaining, batch_size * tau)
         return batch_size * tau / spec if spec > 0 else float("inf")
 
     def expected_speedup(self, batch_size: int, rates: Mapping[Arm, float] | None = None) -> float:

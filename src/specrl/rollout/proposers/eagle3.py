@@ -63,7 +63,6 @@ class _State:
     main_len: int = 0  # draft cache rows holding step-0 entries
     # tap rows not yet in the cache: (a step's taps, first row, end row)
     pending: list[tuple[_StepTaps | torch.Tensor, int, int]] = field(default_factory=list)
-    queued: int = 0  # positions in pending
 
 
 class Eagle3Proposer:
@@ -148,13 +147,13 @@ class Eagle3Proposer:
                 if st is None:
                     st = state[seq.seq_id] = _State()
                 st.pending.append((feats, start, start + c))  # sliced when caught up
-                st.queued += c
             start += c
 
     def backlog(self, batch: list[SeqState]) -> int:
-        """Positions queued for ``batch`` (step-0 passes the next :meth:`propose` runs)."""
+        """Positions queued for ``batch``: those its draft cache lacks, the step-0 passes the
+        next :meth:`propose` runs."""
         state = self._state
-        return sum(st.queued for s in batch if (st := state.get(s.seq_id)) is not None)
+        return sum(s.kv_len - st.main_len for s in batch if (st := state.get(s.seq_id)) is not None)
 
     def _catch_up(self, seqs: list[SeqState], keep: int = 0) -> None:
         """Step-0 passes over the queued positions of ``seqs`` in one packed forward, all but
@@ -171,7 +170,6 @@ class Eagle3Proposer:
             if n <= 0:
                 continue
             st.pending = [(rows, n, rows.shape[0])] if keep else []
-            st.queued -= n
             todo.append(s)
             feats.append(rows[:n])
             ids.extend(s.tokens[first + 1 : first + n + 1])  # x_{t+1} for each position t
@@ -286,7 +284,7 @@ class Eagle3Proposer:
             st = self._state[s.seq_id]
             chunks = [f[a:b] for f, a, b in st.pending]
             tails.append(chunks[0] if len(chunks) == 1 else torch.cat(chunks))
-            st.pending, st.queued = [], 0
+            st.pending = []
         lens = [t.shape[0] for t in tails]
         width = max(2, *lens)  # M ≥ 2: no M = 1 graph class
         first = [s.kv_len - n for s, n in zip(batch, lens, strict=True)]
