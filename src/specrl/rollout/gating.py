@@ -484,13 +484,6 @@ class SpecController:
         tau, spec = self._step_seconds(batch_size, arm)
         return batch_size * tau / spec if spec > 0 else float("inf")
 
-    def expected_speedup(self, batch_size: int, rates: Mapping[Arm, float] | None = None) -> float:
-        """The best arm's expected rate over plain decoding's, B / t_p(B) (``rates``: the
-        arms' :meth:`expected_rate` at this batch size, when already computed)."""
-        if rates is None:
-            rates = {arm: self.expected_rate(batch_size, arm) for arm in self.arms}
-        return max(rates.values()) * self.plain_seconds(batch_size) / batch_size
-
     def draft_seconds(self, arm: Arm, batch_size: int) -> float:
         """Predicted time of one ``propose`` call in which ``batch_size`` sequences all draft
         ``arm.k`` tokens with ``arm.proposer``, in steady state (B·τ̂ positions to catch up;
