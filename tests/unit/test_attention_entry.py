@@ -3,6 +3,8 @@ including gradients, and cached attention equals the uncached one."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -89,9 +91,37 @@ def test_cached_equals_uncached(window):
         torch.testing.assert_close(out, ref[idx], rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("lens", [[2, 5, 1], [3, 3, 3]], ids=["uneven", "uniform"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_cached_attention_shared_rows_and_additive_mask(lens, window):
+    """What a forward builds once for all its layers (``cache_rows``, the additive
+    ``cache_mask``) gives the same cache writes and outputs as what each layer would derive on
+    its own (a bool mask, rows from the layout)."""
+    gen = torch.Generator().manual_seed(7)
+    mk = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)
+    layout = PackedLayout.from_lengths(lens)
+    slots, prefix = torch.tensor([4, 0, 2]), torch.tensor([6, 0, 9])
+    kv_len = int((prefix + torch.tensor(lens)).max())
+    q, k, v = mk(sum(lens), 4, 8), mk(sum(lens), 2, 8), mk(sum(lens), 2, 8)
+    caches = mk(5, 2, 16, 8), mk(5, 2, 16, 8)
+    outs = []
+    for shared in (False, True):
+        kc, vc = (c.clone() for c in caches)
+        mask = rows = None
+        if shared:
+            mask = kernels.cache_mask(layout, prefix, kv_len, window, torch.float64)
+            rows = kernels.cache_rows(layout, slots, prefix)
+            assert mask.dtype == torch.float64 and set(mask.unique().tolist()) == {0, -math.inf}
+        view = CacheView(kc, vc, slots, prefix, kv_len, False, mask, False, rows)
+        outs.append((attention(q, k, v, layout, cache=view, window=window), kc, vc))
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (6, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("masked", [False, True])
-def test_grouped_decode_attention_equals_sdpa(hq, hkv, masked):
+@pytest.mark.parametrize("additive", [False, True])
+def test_grouped_decode_attention_equals_sdpa(hq, hkv, masked, additive):
     """The compiled CPU form of decoding attention is SDPA's math, head groups and mask
     included."""
     gen = torch.Generator().manual_seed(hq)
@@ -106,6 +136,8 @@ def test_grouped_decode_attention_equals_sdpa(hq, hkv, masked):
     ref = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None], k, v, attn_mask=mask, scale=0.3, enable_gqa=hq != hkv
     )[:, :, 0]
+    if masked and additive:
+        mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, -math.inf)
     out = grouped_decode_attention(q, k, v, mask, 0.3)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
 

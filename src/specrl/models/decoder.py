@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specrl.core.attention import CacheView, CPContext, PackedLayout, attention
-from specrl.core.attention.kernels import cache_mask
+from specrl.core.attention.kernels import cache_mask, cache_rows
 from specrl.models.config import ModelConfig
 from specrl.models.fused import FusedWeight
 
@@ -259,6 +259,15 @@ class CacheBatch:
     slots_are_prefix: bool = False  # host flag: slots == arange(B) (no gather needed)
     full_rows: bool = False  # host flag: one new token each, all at position max_kv_len − 1
     mask: torch.Tensor | None = None  # [B, 1, M, max_kv_len], built once per forward
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (slot, position) [T], once too
+
+    def prepare(self, layout: PackedLayout, dtype: torch.dtype, window: int | None) -> None:
+        """What every layer of a forward shares, built once: the new tokens' cache rows (their
+        positions are the RoPE positions) and, unless ``full_rows``, the additive mask."""
+        if self.rows is None:
+            self.rows = cache_rows(layout, self.slots, self.prefix_lens)
+        if self.mask is None and not self.full_rows:
+            self.mask = cache_mask(layout, self.prefix_lens, self.max_kv_len, window, dtype)
 
     def view(self, layer: int) -> CacheView:
         return CacheView(
@@ -270,6 +279,7 @@ class CacheBatch:
             self.slots_are_prefix,
             self.mask,
             self.full_rows,
+            self.rows,
         )
 
 
@@ -362,10 +372,8 @@ class Transformer(nn.Module):
             raise RuntimeError("the fused inference forward needs torch.no_grad()")
         h = self.embed(inputs) if inputs.dtype in (torch.int32, torch.int64) else inputs
         if cache is not None:  # new tokens continue their slot: positions follow the prefix
-            positions = cache.prefix_lens[layout.seq_ids] + layout.token_offsets
-            if cache.mask is None and not cache.full_rows:
-                window = self.config.sliding_window
-                cache.mask = cache_mask(layout, cache.prefix_lens, cache.max_kv_len, window)
+            cache.prepare(layout, h.dtype, self.config.sliding_window)
+            positions = cache.rows[1]
         else:
             positions = layout.position_ids
         cos, sin = self.rotary.cos_sin(positions, h.dtype)

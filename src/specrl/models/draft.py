@@ -354,12 +354,8 @@ class Eagle3Draft(nn.Module):
         (inference).  A compiled caller passes False (the fused copies are kept on the host).
         """
         layer = self.midlayer
-        positions = cache.prefix_lens[layout.seq_ids] + layout.token_offsets
-        if cache.mask is None and not cache.full_rows:
-            from specrl.core.attention.kernels import cache_mask
-
-            cache.mask = cache_mask(layout, cache.prefix_lens, cache.max_kv_len, None)
-        cos, sin = self.rotary.cos_sin(positions, feat.dtype)
+        cache.prepare(layout, feat.dtype, None)
+        cos, sin = self.rotary.cos_sin(cache.rows[1], feat.dtype)  # positions = cache rows
         x = layer.attn_input(self.embed_tokens(ids), feat)
         if fused is None:
             fused = not torch.is_grad_enabled()  # decoding is inference: fused projections

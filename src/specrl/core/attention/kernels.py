@@ -109,9 +109,17 @@ def flex_packed(
 
 
 def cache_mask(
-    layout: PackedLayout, prefix_lens: torch.Tensor, max_kv_len: int, window: int | None
+    layout: PackedLayout,
+    prefix_lens: torch.Tensor,
+    max_kv_len: int,
+    window: int | None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """[B, 1, M, L] bool: new token j of sequence b (position prefix_b + j) sees keys ≤ itself."""
+    """[B, 1, M, L]: new token j of sequence b (position prefix_b + j) sees keys ≤ itself.
+
+    bool (True: attend), or with a float ``dtype`` the additive form (0 / −inf) that SDPA
+    otherwise derives from a bool mask on every call: a forward builds it once for all its
+    layers."""
     m = layout.max_seqlen
     device = prefix_lens.device
     q_pos = prefix_lens[:, None] + torch.arange(m, device=device)[None, :]  # [B, M]
@@ -119,7 +127,21 @@ def cache_mask(
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, M, L]
     if window is not None:
         mask &= (q_pos[:, :, None] - k_pos[None, None, :]) < window
-    return mask[:, None]
+    mask = mask[:, None]
+    if dtype is None:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
+
+
+def cache_rows(
+    layout: PackedLayout, slots: torch.Tensor, prefix_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot, position) [T] of each packed new token's cache row: the same for every layer of
+    a forward, which computes them once (:attr:`CacheView.rows`)."""
+    if layout.max_seqlen == 1 and layout.num_tokens == layout.num_seqs:  # one token each
+        return slots, prefix_lens
+    seq = layout.seq_ids
+    return slots[seq], prefix_lens[seq] + layout.token_offsets
 
 
 # The attention a compiled CPU decoding step (one new token each) traces: "grouped"
@@ -132,7 +154,7 @@ def grouped_decode_attention(
     q: torch.Tensor,  # [B, Hq, D]: one new query per sequence
     k: torch.Tensor,  # [B, Hkv, L, D]
     v: torch.Tensor,  # [B, Hkv, L, D]
-    mask: torch.Tensor | None,  # [B, 1, 1, L] bool (True: attend) or None
+    mask: torch.Tensor | None,  # [B, 1, 1, L] bool (True: attend), additive, or None
     scale: float | None = None,
 ) -> torch.Tensor:
     """Decoding attention against a head-major cache block, written for inductor; [B, Hq, D].
@@ -152,8 +174,10 @@ def grouped_decode_attention(
     hkv, kv_len = k.shape[1], k.shape[2]
     qg = q.view(b, hkv, hq // hkv, d)
     s = torch.matmul(qg, k.transpose(-1, -2)) * (d**-0.5 if scale is None else scale)
-    if mask is not None:  # [B, Hkv, G, L] scores
+    if mask is not None and mask.dtype == torch.bool:  # [B, Hkv, G, L] scores
         s = s.masked_fill(~mask.view(b, 1, 1, kv_len), float("-inf"))
+    elif mask is not None:  # additive (0 / −inf)
+        s = s + mask.view(b, 1, 1, kv_len)
     p = torch.softmax(s, dim=-1)
     return (p[..., None] * v[:, :, None]).sum(-2).reshape(b, hq, d)
 
@@ -179,15 +203,12 @@ def cached_attention(
     hkv = k.shape[1]
     b, m, kv_len = layout.num_seqs, layout.max_seqlen, cache.max_kv_len
     uniform = t == b * m  # every sequence brings m tokens: packed == padded, no scatter
-    if m == 1 and uniform:  # one token each (plain decoding, chain drafting): no index math
-        slot_t, pos_t = cache.slots, cache.prefix_lens
-    elif uniform:
-        pos_t = (cache.prefix_lens[:, None] + torch.arange(m, device=q.device)).reshape(-1)
-        slot_t = cache.slots.repeat_interleave(m)
+    if cache.rows is not None:  # computed once by the forward for all its layers
+        slot_t, pos_t = cache.rows
     else:
+        slot_t, pos_t = cache_rows(layout, cache.slots, cache.prefix_lens)
+    if not uniform:
         seq, off = _pad_index(layout)
-        slot_t = cache.slots[seq]
-        pos_t = cache.prefix_lens[seq] + off
     same = cache.k.dtype == k.dtype  # skip no-op casts: each is a dispatch per layer and step
     # [slot, position, Hkv, D] views of the head-major cache take the [T, Hkv, D] rows as they are
     cache.k.transpose(1, 2).index_put_((slot_t, pos_t), k if same else k.to(cache.k.dtype))

@@ -21,6 +21,7 @@ class PackedLayout:
     position_ids: torch.Tensor  # [T] int64, global RoPE positions
     max_seqlen: int  # host int: max(cu_seqlens[1:] - cu_seqlens[:-1])
     _seq_ids: torch.Tensor | None = field(default=None, repr=False)
+    _offsets: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def from_lengths(
@@ -61,9 +62,11 @@ class PackedLayout:
 
     @property
     def token_offsets(self) -> torch.Tensor:
-        """[T] index of each token inside its own sequence (0-based)."""
-        t = torch.arange(self.num_tokens, device=self.cu_seqlens.device)
-        return t - self.cu_seqlens[:-1][self.seq_ids]
+        """[T] index of each token inside its own sequence (0-based; computed once)."""
+        if self._offsets is None:
+            t = torch.arange(self.num_tokens, device=self.cu_seqlens.device)
+            self._offsets = t - self.cu_seqlens[:-1][self.seq_ids]
+        return self._offsets
 
     def to(self, device: torch.device | str) -> PackedLayout:
         return PackedLayout(
@@ -71,6 +74,7 @@ class PackedLayout:
             self.position_ids.to(device),
             self.max_seqlen,
             None if self._seq_ids is None else self._seq_ids.to(device),
+            None if self._offsets is None else self._offsets.to(device),
         )
 
 
@@ -89,5 +93,8 @@ class CacheView:
     prefix_lens: torch.Tensor  # [B] int64
     max_kv_len: int
     slots_are_prefix: bool = False  # host flag: slots == arange(B) → slice the cache, no gather
-    mask: torch.Tensor | None = None  # [B, 1, M, max_kv_len] bool, shared by all layers
+    # [B, 1, M, max_kv_len], shared by all layers: bool (True: attend) or additive (0 / −inf)
+    mask: torch.Tensor | None = None
     full_rows: bool = False  # host flag: one new token each and prefix+1 == max_kv_len for all
+    # (slot, position) [T] of each new token's cache row, shared by all layers (None: derived)
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None
