@@ -88,6 +88,24 @@ def test_draft_cost_fits_per_call_chain_token_and_backlog_costs():
     assert dc.predict(32 * 4, 4) == pytest.approx(0.001 + 0.008 + 0.0064)  # no backlog given
 
 
+def test_cost_model_split_window_keeps_the_rare_kind():
+    """Split on the speculative flag, the fit still knows a speculative step's cost after 1000
+    plain steps (one shared window of 64 would have dropped it: plain-only data at one batch
+    size cannot separate the fixed cost from the per-token one)."""
+    split, shared = CostModel(window=64, features=3, split=3), CostModel(window=64, features=3)
+    for cm in (split, shared):
+        for t in (4, 8, 16):
+            cm.observe(t * 5, t * 5, 1, 0.002 + 0.0001 * t * 5 + 0.003)
+        for _ in range(1000):
+            cm.observe(32, 32, 0, 0.002 + 0.0001 * 32)
+    assert split.num_observations == 64 + 3
+    assert split.predict(160, 160, 1) == pytest.approx(0.002 + 0.016 + 0.003)
+    assert shared.num_observations == 64
+    assert shared.predict(160, 160, 1) != pytest.approx(0.002 + 0.016 + 0.003)
+    with pytest.raises(ValueError, match="split"):
+        CostModel(features=2, split=3)
+
+
 def test_cost_model_refits_on_a_schedule_not_every_step():
     """Asked every step, the fit is re-solved after max(1, n/16) new observations: at once
     while the window is small, every 16th step once it holds 256."""
@@ -374,9 +392,44 @@ def test_gate_speculates_in_the_latency_bound_tail_and_not_in_a_full_batch():
     full = SpecController(["ngram"], 8, probe=0.05, seed=0)
     tokens, seconds, spec = _simulate(full, batch=64, steps=600, a=a, b=b, alpha=alpha)
     assert not full.gate.on
-    assert 0 < spec < 0.05  # probes only, rarer than 1 in 20 since speculation clearly loses
-    plain_rate = 64 / (a + b * 64)
-    assert tokens / seconds > 0.95 * plain_rate  # never (materially) slower than plain
+    # compute-bound: not even every draft accepted would clear 1 + h, so no probe either
+    assert max(full.ceiling(64, arm) for arm in full.arms) < 1 + full.gate.hysteresis
+    assert spec == 0
+    assert tokens / seconds == pytest.approx(64 / (a + b * 64))  # exactly plain decoding
+
+
+def test_gate_off_probes_rarely_where_higher_acceptance_could_pay():
+    """A latency-bound batch (t = 10 s + 0.05 s per token at 64 sequences) with drafts rarely
+    accepted (α = 0.1): speculation loses now, but would win at high acceptance (ceiling ≈ 3),
+    so the gate-off probes go on, rarer than 1 step in 20, and cost under 5 %."""
+    a, b = 10.0, 0.05
+    ctrl = SpecController(["ngram"], 8, probe=0.05, seed=0)
+    tokens, seconds, spec = _simulate(ctrl, batch=64, steps=600, a=a, b=b, alpha=0.1)
+    assert not ctrl.gate.on
+    assert max(ctrl.ceiling(64, arm) for arm in ctrl.arms) > 2
+    assert 0 < spec < 0.05
+    assert tokens / seconds > 0.95 * 64 / (a + b * 64)
+
+
+def test_gate_off_probes_skip_drafters_that_cannot_pay_at_the_batch_size():
+    """At batch 32 a chain drafter costing 8 s a call cannot pay even if every draft were
+    accepted, a free lookup drafter could: the gate-off probes draft with the lookup only (the
+    chain drafter's acceptance is learned where it pays, and its catch-up is never spent on a
+    probe that could not turn the gate on)."""
+    batch, a, b = 32, 1.0, 0.01
+    ctrl = SpecController(["chain", "lookup"], 8, probe=0.05, seed=3)
+    alpha = {"chain": 0.9, "lookup": 0.2}
+    draft = {"chain": (8.0, 0.0), "lookup": (0.0, 0.0)}
+    _simulate(ctrl, batch, 300, a, b, alpha, draft)  # learn both
+    assert not ctrl.gate.on
+    ceilings = {arm: ctrl.ceiling(batch, arm) for arm in ctrl.arms}
+    assert all(c < 1 for arm, c in ceilings.items() if arm.proposer == "chain")
+    assert all(c > 1.5 for arm, c in ceilings.items() if arm.proposer == "lookup")
+    before = dict(ctrl.selections)
+    _, _, spec = _simulate(ctrl, batch, 1000, a, b, alpha, draft)
+    assert 0 < spec < 0.05
+    drafted = {arm: n - before[arm] for arm, n in ctrl.selections.items() if n > before[arm]}
+    assert drafted and all(arm.startswith("lookup/") for arm in drafted)
 
 
 @pytest.mark.parametrize("per_call", [0.5, 8.0])

@@ -86,6 +86,14 @@ class CostModel:
     (n in the window): the coefficients move slowly once the window is full, and the engine
     asks every step.  ``observe``/``predict`` take the features in order; trailing features
     left out count as 0.
+
+    ``split``: the index (1-based, as in c₁ … cₙ) of a feature whose values partition the
+    window, one window of the last ``window`` observations per value.  The steps of a rare
+    kind then keep their samples while the common kind streams past: the decode fit (x₃ = 1 for
+    a speculative step) still knows what a speculative step costs after any number of plain
+    steps with the gate off, where one shared window would forget it (and, with only plain
+    steps left to fit, could not tell the fixed cost from the per-token one at a constant
+    batch size).
     """
 
     REFIT_DIVISOR = 16
@@ -95,13 +103,18 @@ class CostModel:
         window: int = 256,
         prior: tuple[float, ...] | None = None,
         features: int = 2,
+        split: int | None = None,
     ) -> None:
         self.features = features
         n = features + 1
         self._prior = tuple(prior) if prior is not None else (1.0,) + (0.0,) * features
         if len(self._prior) != n:
             raise ValueError(f"prior needs {n} coefficients, got {len(self._prior)}")
-        self._obs: deque[tuple[float, ...]] = deque(maxlen=window)
+        if split is not None and not 1 <= split <= features:
+            raise ValueError(f"split must name a feature 1..{features}, got {split}")
+        self.window = window
+        self._split = split
+        self._windows: dict[float, deque[tuple[float, ...]]] = {}
         # running sums over the window: Σ x xᵀ, Σ x y, Σ y² with x = (1, x₁, …, xₙ)
         self._gram = [[0.0] * n for _ in range(n)]
         self._xy = [0.0] * n
@@ -121,13 +134,17 @@ class CostModel:
         *xs, seconds = features_and_seconds
         if len(xs) > self.features:
             raise ValueError(f"{len(xs)} features given, the model has {self.features}")
-        if len(self._obs) == self._obs.maxlen:
-            self._accumulate(self._obs[0], -1.0)
         obs = (*map(float, xs), *(0.0,) * (self.features - len(xs)), max(float(seconds), 0.0))
-        self._obs.append(obs)
+        kind = 0.0 if self._split is None else obs[self._split - 1]
+        obs_window = self._windows.get(kind)
+        if obs_window is None:
+            obs_window = self._windows[kind] = deque(maxlen=self.window)
+        if len(obs_window) == obs_window.maxlen:
+            self._accumulate(obs_window[0], -1.0)
+        obs_window.append(obs)
         self._accumulate(obs, 1.0)
         self._since_rebuild += 1
-        if self._since_rebuild >= (self._obs.maxlen or 1):  # bound rounding drift
+        if self._since_rebuild >= max(self.window, 1):  # bound rounding drift
             self._rebuild()
         self._since_fit += 1
 
@@ -146,18 +163,19 @@ class CostModel:
         self._gram = [[0.0] * n for _ in range(n)]
         self._xy = [0.0] * n
         self._yy = 0.0
-        for obs in self._obs:
-            self._accumulate(obs, 1.0)
+        for obs_window in self._windows.values():
+            for obs in obs_window:
+                self._accumulate(obs, 1.0)
         self._since_rebuild = 0
 
     @property
     def num_observations(self) -> int:
-        return len(self._obs)
+        return sum(len(w) for w in self._windows.values())
 
     def coefficients(self) -> tuple[float, ...]:
         """(c₀, c₁, …): seconds, then seconds per unit of each feature (for decode steps:
         per token fed, per padded query row)."""
-        due = max(1, len(self._obs) // self.REFIT_DIVISOR)
+        due = max(1, self.num_observations // self.REFIT_DIVISOR)
         if self._fit is None or self._since_fit >= due:
             self._fit = self._solve()
             self._since_fit = 0
@@ -169,7 +187,7 @@ class CostModel:
         return coef[0] + sum(c * x for c, x in zip(coef[1:], features, strict=False))
 
     def _solve(self) -> tuple[float, ...]:
-        if not self._obs:
+        if not self._windows:
             return self._prior
         gram, xy, yy = self._gram, self._xy, self._yy
         n = self.features + 1
@@ -303,14 +321,16 @@ class EpsilonGreedy:
         self._turn = -1
 
     def choose(self, values: Mapping[Arm, float], samples: Mapping[Arm, int]) -> Arm:
-        """The arm to play given each arm's estimated value and number of observations."""
-        young = [arm for arm in self.arms if samples.get(arm, 0) < self.min_samples]
+        """The arm to play given each arm's estimated value and number of observations (the
+        arms of ``values`` only, in the order of :attr:`arms`)."""
+        arms = self.arms if len(values) == len(self.arms) else [a for a in self.arms if a in values]
+        young = [arm for arm in arms if samples.get(arm, 0) < self.min_samples]
         if young:  # round-robin
             self._turn += 1
             return young[self._turn % len(young)]
-        best = max(self.arms, key=lambda arm: values[arm])
+        best = max(arms, key=lambda arm: values[arm])
         if self._rng.random() < self.epsilon:
-            arm = self.arms[self._rng.randrange(len(self.arms))]
+            arm = arms[self._rng.randrange(len(arms))]
             top = values[best]
             shortfall = 1.0 - values[arm] / top if top > 0 else 0.0
             if shortfall <= self.gap or self._rng.random() * shortfall < self.gap:
@@ -398,7 +418,8 @@ class SpecController:
         seed: int = 0,
     ) -> None:
         self.arms = tuple(Arm(p, k) for p in proposers for k in k_choices(max_k))
-        self.cost = CostModel(cost_window, features=3)  # (T, P, speculative) → seconds
+        # (T, P, speculative) → seconds; the speculative steps keep a window of their own
+        self.cost = CostModel(cost_window, features=3, split=3)
         self.lengths = LengthModel()
         self.bandit = EpsilonGreedy(self.arms, epsilon, seed) if self.arms else None
         self.gate = SpeculationGate(hysteresis)
@@ -408,6 +429,7 @@ class SpecController:
         self._spec_run = 0  # speculative steps since the last plain one
         self._probe_left = 0  # further steps of the probe under way
         self._probe_plain = False  # its kind
+        self._probe_arms: tuple[Arm, ...] = ()  # the arms a gate-off probe measures
         self._last_speculative: bool | None = None  # the kind of the last decode step
         self.switch_steps = 0  # decode steps that switched kind (no timing sample)
         self.spec_steps = 0
@@ -451,10 +473,21 @@ class SpecController:
         spec = self.spec_seconds(batch_size * fed, batch_size * (arm.k + 1))
         return tau, spec + self.draft_seconds(arm, batch_size)
 
-    def _steady(self, batch_size: int) -> tuple[dict[Arm, tuple[float, float]], float, float, Arm]:
+    def ceiling(self, batch_size: int, arm: Arm) -> float:
+        """The speedup ``arm`` would give at ``batch_size`` in steady state if every draft were
+        accepted (τ̂ = f̂ = k + 1): no acceptance it may reach lifts S above this."""
+        n = arm.k + 1
+        t = self.spec_seconds(batch_size * n, batch_size * n)
+        t += self.draft_cost[arm.proposer].predict(batch_size * arm.k, arm.k, batch_size * n)
+        return n * self.plain_seconds(batch_size) / t if t > 0 else float("inf")
+
+    def _steady(
+        self, batch_size: int
+    ) -> tuple[dict[Arm, tuple[float, float]], float, float, Arm, tuple[Arm, ...]]:
         """(:meth:`_step_seconds` of every arm, the plain step's predicted time, the best
-        steady-state speedup, its arm), reused while neither a fit nor an acceptance estimate
-        changed (while the gate is off, for many steps)."""
+        steady-state speedup, its arm, the arms a probe may measure: those whose
+        :meth:`ceiling` clears the gate's 1 + h), reused while neither a fit nor an acceptance
+        estimate changed (while the gate is off, for many steps)."""
         for model in (self.cost, *self.draft_cost.values()):
             model.coefficients()  # refit if due
         key = (
@@ -472,7 +505,9 @@ class SpecController:
                 return tau / t if t > 0 else float("inf")
 
             best = max(self.arms, key=rate)
-            self._steady_value = (secs, t_plain, rate(best) * t_plain, best)
+            bar = 1 + self.gate.hysteresis
+            probes = tuple(a for a in self.arms if self.ceiling(batch_size, a) > bar)
+            self._steady_value = (secs, t_plain, rate(best) * t_plain, best, probes)
             self._steady_key = key
         return self._steady_value
 
@@ -514,15 +549,19 @@ class SpecController:
         gate is off, a probe speculates once in ``PROBE_STEPS · max(1, (1 − S₁)/h) / probe``
         steps, S₁ the speedup of its first step (the whole catch-up included): acceptance
         estimates stay fresh (new weights can make speculation pay again), rarer the clearer
-        the loss.  While it is on, a probe runs plain once in ``PROBE_STEPS / probe`` steps,
-        whatever S says: S itself depends on the plain step time t_p(B), which must be
-        measured, not extrapolated from speculative steps.  Either way about ``probe`` of the
-        steps, at most.
+        the loss.  It measures only arms whose :meth:`ceiling` (every draft accepted) clears
+        1 + h: where not even that would turn the gate on, its outcome could not change the
+        decision (an EAGLE-3 draft at a large batch, which would pay its whole catch-up for
+        nothing), and with no such arm there is no probe.  While it is on, a probe runs plain
+        once in ``PROBE_STEPS / probe`` steps, whatever S says: S itself depends on the plain
+        step time t_p(B), which must be measured, not extrapolated from speculative steps.
+        Either way about ``probe`` of the steps, at most.
         """
         if self.bandit is None:
             self.plain_steps += 1
             return None
-        secs, t_plain, speedup, best = self._steady(batch_size)
+        secs, t_plain, speedup, best, probe_arms = self._steady(batch_size)
+        allowed: tuple[Arm, ...] | None = None  # a gate-off probe's arms
         rates: dict[Arm, float] | None = None  # with the catch-up, where it was priced
         catch_up: dict[Arm, float] = {}
         if backlog and speedup >= 1:
@@ -547,6 +586,7 @@ class SpecController:
                 self._probe_left -= 1
                 if self._probe_plain:
                     return self._plain()
+                allowed = self._probe_arms
             elif on:
                 self._spec_run += 1
                 if self.probe > 0 and self._spec_run >= PROBE_STEPS / self.probe:
@@ -554,17 +594,19 @@ class SpecController:
                     return self._plain()
             else:
                 self._plain_run += 1
-                if self.probe <= 0:
+                if self.probe <= 0 or not probe_arms:
                     return self._plain()
-                tau, t = secs[best]
+                arm = max(probe_arms, key=lambda a: secs[a][0] / secs[a][1])  # best steady rate
+                tau, t = secs[arm]
                 if backlog:  # a probe pays the whole catch-up
-                    t += catch_up.get(best) or self.catch_up_seconds(
-                        best, batch_size, backlog.get(best.proposer, 0)
+                    t += catch_up.get(arm) or self.catch_up_seconds(
+                        arm, batch_size, backlog.get(arm.proposer, 0)
                     )
                 s1 = tau * t_plain / t if t > 0 else float("inf")
                 if self._plain_run < PROBE_STEPS * max(1.0, (1 - s1) / h) / self.probe:
                     return self._plain()
                 self._probe_left, self._probe_plain = PROBE_STEPS - 1, False
+                allowed = self._probe_arms = probe_arms
         self._plain_run = 0
         self.spec_steps += 1
         if rates is None:
@@ -572,6 +614,8 @@ class SpecController:
                 arm: batch_size * tau / t if t > 0 else float("inf")
                 for arm, (tau, t) in secs.items()
             }
+        if allowed is not None:  # a gate-off probe: the arms that could turn the gate on
+            rates = {arm: rates[arm] for arm in allowed}
         samples = {arm: shape.emitted.count for arm, shape in self._shape.items()}
         arm = self.bandit.choose(rates, samples)
         self.selections[str(arm)] += batch_size
