@@ -278,6 +278,40 @@ def test_probes_run_two_steps_so_one_is_a_sample():
     assert kinds.index("p") == 39  # the 2/probe-th step is the probe's first
 
 
+@pytest.mark.parametrize("lookup", [False, True])
+def test_a_probe_continued_at_another_batch_size_takes_that_sizes_arms(lookup):
+    """A gate-off probe begun in a batch's tail (batch 1, where a chain drafter could pay)
+    whose second step falls on the next full batch (32, where it could not even with every
+    draft accepted) drafts only with arms that could pay at 32: a free lookup drafter if there
+    is one, else none (the probe ends, plain step)."""
+    ctrl = SpecController(["chain", "lookup"] if lookup else ["chain"], 2, probe=0.05, seed=0)
+    for batch in (1, 2, 8, 32):  # t = 1 s + 10 ms per token, plain and speculative steps
+        for k in (0, 0, 1, 2, 2):
+            rows = batch * (k + 1)
+            ctrl.record_step(rows, rows, 1.0 + 0.01 * rows, batch)
+    for n, k in ((1, 1), (1, 2), (8, 2), (32, 1), (2, 2)):  # chain: 0.5 s + 50 ms per token
+        ctrl.record_draft("chain", n * k, k, 0.5 + 0.05 * n * k)
+        if lookup:
+            ctrl.record_draft("lookup", n * k, k, 0.0)
+    for arm in ctrl.arms:  # drafts never accepted: the gate goes off everywhere
+        for _ in range(8):
+            ctrl.record(arm, arm.k, 1)
+    chain = [arm for arm in ctrl.arms if arm.proposer == "chain"]
+    assert all(ctrl.ceiling(1, arm) > 1 + ctrl.gate.hysteresis for arm in chain)
+    assert all(ctrl.ceiling(32, arm) < 1 for arm in chain)
+    for _ in range(2000):  # plain steps at batch 1 until a probe begins
+        arms = ctrl.plan(1)
+        if arms is not None:
+            break
+    assert arms is not None and not ctrl.gate.states[1]
+    nxt = ctrl.plan(32)  # the probe's second step, in a new batch
+    if lookup:
+        assert nxt is not None and {arm.proposer for arm in nxt} == {"lookup"}
+    else:
+        assert nxt is None
+        assert ctrl.plan(32) is None  # and the probe is over
+
+
 def _trained_chain_controller() -> SpecController:
     """A latency-bound target (t = 1 s + 10 ms per token), a chain drafter costing 0.1 s a
     call plus 1 ms per queued position it catches up, every draft accepted."""

@@ -429,7 +429,6 @@ class SpecController:
         self._spec_run = 0  # speculative steps since the last plain one
         self._probe_left = 0  # further steps of the probe under way
         self._probe_plain = False  # its kind
-        self._probe_arms: tuple[Arm, ...] = ()  # the arms a gate-off probe measures
         self._last_speculative: bool | None = None  # the kind of the last decode step
         self.switch_steps = 0  # decode steps that switched kind (no timing sample)
         self.spec_steps = 0
@@ -586,7 +585,11 @@ class SpecController:
                 self._probe_left -= 1
                 if self._probe_plain:
                     return self._plain()
-                allowed = self._probe_arms
+                if not on:  # the batch may have shrunk (or a new one begun): its own arms
+                    if not probe_arms:
+                        self._probe_left = 0
+                        return self._plain()
+                    allowed = probe_arms
             elif on:
                 self._spec_run += 1
                 if self.probe > 0 and self._spec_run >= PROBE_STEPS / self.probe:
@@ -606,7 +609,7 @@ class SpecController:
                 if self._plain_run < PROBE_STEPS * max(1.0, (1 - s1) / h) / self.probe:
                     return self._plain()
                 self._probe_left, self._probe_plain = PROBE_STEPS - 1, False
-                allowed = self._probe_arms = probe_arms
+                allowed = probe_arms
         self._plain_run = 0
         self.spec_steps += 1
         if rates is None:
