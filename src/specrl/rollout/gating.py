@@ -115,6 +115,7 @@ class CostModel:
         self.window = window
         self._split = split
         self._windows: dict[float, deque[tuple[float, ...]]] = {}
+        self._count = 0  # observations in all windows
         # running sums over the window: Σ x xᵀ, Σ x y, Σ y² with x = (1, x₁, …, xₙ)
         self._gram = [[0.0] * n for _ in range(n)]
         self._xy = [0.0] * n
@@ -141,6 +142,8 @@ class CostModel:
             obs_window = self._windows[kind] = deque(maxlen=self.window)
         if len(obs_window) == obs_window.maxlen:
             self._accumulate(obs_window[0], -1.0)
+        else:
+            self._count += 1
         obs_window.append(obs)
         self._accumulate(obs, 1.0)
         self._since_rebuild += 1
@@ -170,12 +173,12 @@ class CostModel:
 
     @property
     def num_observations(self) -> int:
-        return sum(len(w) for w in self._windows.values())
+        return self._count
 
     def coefficients(self) -> tuple[float, ...]:
         """(c₀, c₁, …): seconds, then seconds per unit of each feature (for decode steps:
         per token fed, per padded query row)."""
-        due = max(1, self.num_observations // self.REFIT_DIVISOR)
+        due = max(1, self._count // self.REFIT_DIVISOR)
         if self._fit is None or self._since_fit >= due:
             self._fit = self._solve()
             self._since_fit = 0
@@ -437,8 +440,12 @@ class SpecController:
         rate = 1.0 / ARM_MEMORY
         self._shape = {a: _ArmShape(RunningMean(rate), RunningMean(rate)) for a in self.arms}
         self.draft_cost = {p: DraftCost(cost_window) for p in proposers}
-        self._recorded = 0  # verifications recorded: acceptance estimates change with it
-        self._steady_key: tuple = ()  # cache of _steady
+        # cache of _steady: the fits it was computed with, each arm's step time and the
+        # acceptance samples it saw, the probe arms, the result
+        self._fits_key: tuple = ()
+        self._secs: dict[Arm, tuple[float, float]] = {}
+        self._secs_seen: dict[Arm, int] = {}
+        self._probe_arms: tuple[Arm, ...] = ()
         self._steady_value: tuple = ()
 
     def plain_seconds(self, batch_size: int) -> float:
@@ -485,18 +492,26 @@ class SpecController:
     ) -> tuple[dict[Arm, tuple[float, float]], float, float, Arm, tuple[Arm, ...]]:
         """(:meth:`_step_seconds` of every arm, the plain step's predicted time, the best
         steady-state speedup, its arm, the arms a probe may measure: those whose
-        :meth:`ceiling` clears the gate's 1 + h), reused while neither a fit nor an acceptance
-        estimate changed (while the gate is off, for many steps)."""
+        :meth:`ceiling` clears the gate's 1 + h).  Cached: an arm's step time is recomputed
+        when a fit was re-solved or its own acceptance estimate changed (one arm a step while
+        speculating, none while the gate is off)."""
         for model in (self.cost, *self.draft_cost.values()):
             model.coefficients()  # refit if due
-        key = (
-            batch_size,
-            self._recorded,
-            self.cost.solves,
-            *(m.solves for m in self.draft_cost.values()),
-        )
-        if key != self._steady_key:
-            secs = {arm: self._step_seconds(batch_size, arm) for arm in self.arms}
+        fits = (batch_size, self.cost.solves, *(m.solves for m in self.draft_cost.values()))
+        if fits != self._fits_key:
+            self._fits_key = fits
+            self._secs, self._secs_seen = {}, {}
+            bar = 1 + self.gate.hysteresis  # ceilings need no acceptance estimate
+            self._probe_arms = tuple(a for a in self.arms if self.ceiling(batch_size, a) > bar)
+            self._steady_value = ()
+        secs, seen = self._secs, self._secs_seen
+        for arm in self.arms:
+            version = self._shape[arm].emitted.count
+            if seen.get(arm) != version:
+                secs[arm] = self._step_seconds(batch_size, arm)
+                seen[arm] = version
+                self._steady_value = ()
+        if not self._steady_value:
             t_plain = self.plain_seconds(batch_size)
 
             def rate(arm: Arm) -> float:
@@ -504,10 +519,7 @@ class SpecController:
                 return tau / t if t > 0 else float("inf")
 
             best = max(self.arms, key=rate)
-            bar = 1 + self.gate.hysteresis
-            probes = tuple(a for a in self.arms if self.ceiling(batch_size, a) > bar)
-            self._steady_value = (secs, t_plain, rate(best) * t_plain, best, probes)
-            self._steady_key = key
+            self._steady_value = (secs, t_plain, rate(best) * t_plain, best, self._probe_arms)
         return self._steady_value
 
     def expected_rate(self, batch_size: int, arm: Arm) -> float:
@@ -642,7 +654,6 @@ class SpecController:
         shape = self._shape[arm]
         shape.emitted.add(emitted)
         shape.fed.add(k_used + 1)
-        self._recorded += 1
 
     def record_step(self, tokens: int, padded: int, seconds: float | None, batch_size: int) -> None:
         """Target time of one decode step of ``batch_size`` sequences (its prefill and
