@@ -278,6 +278,30 @@ def test_probes_run_two_steps_so_one_is_a_sample():
     assert kinds.index("p") == 39  # the 2/probe-th step is the probe's first
 
 
+def test_gate_off_probe_clock_runs_per_batch_size():
+    """Waves of 50 steps at batch 32 (where speculation could not pay even fully accepted: no
+    probes), each followed by a shrinking tail of 2 steps at batch 3, 2 and 1 (where it loses
+    now, α = 0.1, but could pay).  A tail size is probed after 40 gate-off steps at that size,
+    about once in 20 waves; one clock for all sizes would run out every wave and probe every
+    tail."""
+    a, b, alpha = 1.0, 0.2, 0.1
+    ctrl = SpecController(["ngram"], 2, probe=0.05, seed=0)
+    _simulate(ctrl, 32, 200, a, b, alpha)
+    assert not ctrl.gate.on and ctrl.spec_steps < 20
+    waves_probed, full_batch_spec = 0, 0
+    for _ in range(40):
+        before = ctrl.spec_steps
+        _simulate(ctrl, 32, 50, a, b, alpha)
+        full_batch_spec += ctrl.spec_steps - before
+        before = ctrl.spec_steps
+        for batch in (3, 2, 1):
+            _simulate(ctrl, batch, 2, a, b, alpha)
+        waves_probed += ctrl.spec_steps > before
+    assert full_batch_spec == 0
+    assert not any(ctrl.gate.states[size] for size in (1, 2, 3))
+    assert 1 <= waves_probed <= 10
+
+
 @pytest.mark.parametrize("lookup", [False, True])
 def test_a_probe_continued_at_another_batch_size_takes_that_sizes_arms(lookup):
     """A gate-off probe begun in a batch's tail (batch 1, where a chain drafter could pay)

@@ -428,7 +428,8 @@ class SpecController:
         self.gate = SpeculationGate(hysteresis)
         self.gating = gate
         self.probe = probe
-        self._plain_run = 0  # plain steps since the last speculative one
+        # gate-off plain steps at each batch size since it last speculated (its probe clock)
+        self._plain_runs: dict[int, int] = {}
         self._spec_run = 0  # speculative steps since the last plain one
         self._probe_left = 0  # further steps of the probe under way
         self._probe_plain = False  # its kind
@@ -558,7 +559,10 @@ class SpecController:
         Probes keep both sides of the comparison measured, in runs of :data:`PROBE_STEPS`
         steps (the engine takes no target timing from a step that switches kind).  While the
         gate is off, a probe speculates once in ``PROBE_STEPS · max(1, (1 − S₁)/h) / probe``
-        steps, S₁ the speedup of its first step (the whole catch-up included): acceptance
+        steps at that batch size (each size keeps its own count, as it keeps its own gate
+        state: the few steps a shrinking batch spends at each tail size add up slowly, so
+        the tails are not probed every wave), S₁ the speedup of its first step (the whole
+        catch-up included): acceptance
         estimates stay fresh (new weights can make speculation pay again), rarer the clearer
         the loss.  It measures only arms whose :meth:`ceiling` (every draft accepted) clears
         1 + h: where not even that would turn the gate on, its outcome could not change the
@@ -608,7 +612,7 @@ class SpecController:
                     self._probe_left, self._probe_plain = PROBE_STEPS - 1, True
                     return self._plain()
             else:
-                self._plain_run += 1
+                waited = self._plain_runs[batch_size] = self._plain_runs.get(batch_size, 0) + 1
                 if self.probe <= 0 or not probe_arms:
                     return self._plain()
                 arm = max(probe_arms, key=lambda a: secs[a][0] / secs[a][1])  # best steady rate
@@ -618,11 +622,11 @@ class SpecController:
                         arm, batch_size, backlog.get(arm.proposer, 0)
                     )
                 s1 = tau * t_plain / t if t > 0 else float("inf")
-                if self._plain_run < PROBE_STEPS * max(1.0, (1 - s1) / h) / self.probe:
+                if waited < PROBE_STEPS * max(1.0, (1 - s1) / h) / self.probe:
                     return self._plain()
                 self._probe_left, self._probe_plain = PROBE_STEPS - 1, False
                 allowed = probe_arms
-        self._plain_run = 0
+        self._plain_runs[batch_size] = 0
         self.spec_steps += 1
         if rates is None:
             rates = {
