@@ -48,11 +48,12 @@ import random
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, order=True)
-class Arm:
-    """One choice of the bandit: draft with ``proposer``, at most ``k`` tokens."""
+class Arm(NamedTuple):
+    """One choice of the bandit: draft with ``proposer``, at most ``k`` tokens (a tuple: the
+    controller hashes arms dozens of times a step)."""
 
     proposer: str
     k: int
@@ -147,18 +148,20 @@ class CostModel:
         obs_window.append(obs)
         self._accumulate(obs, 1.0)
         self._since_rebuild += 1
-        if self._since_rebuild >= max(self.window, 1):  # bound rounding drift
+        if self._since_rebuild >= 4 * max(self.window, 1):  # bound rounding drift
             self._rebuild()
         self._since_fit += 1
 
     def _accumulate(self, obs: tuple[float, ...], sign: float) -> None:
-        x = (1.0, *obs[:-1])
         y = obs[-1]
-        for i, xi in enumerate(x):
-            self._xy[i] += sign * xi * y
-            row = self._gram[i]
-            for j, xj in enumerate(x):
-                row[j] += sign * xi * xj
+        nonzero = [(0, 1.0), *((i, xi) for i, xi in enumerate(obs[:-1], 1) if xi)]
+        xy, gram = self._xy, self._gram
+        for i, xi in nonzero:
+            si = sign * xi
+            xy[i] += si * y
+            row = gram[i]
+            for j, xj in nonzero:
+                row[j] += si * xj
         self._yy += sign * y * y
 
     def _rebuild(self) -> None:
@@ -579,8 +582,10 @@ class SpecController:
         allowed: tuple[Arm, ...] | None = None  # a gate-off probe's arms
         rates: dict[Arm, float] | None = None  # with the catch-up, where it was priced
         catch_up: dict[Arm, float] = {}
-        if backlog and speedup >= 1:
-            # a backlog only lowers S: it and its horizon matter only where S would be ≥ 1
+        # a backlog only lowers S: it and its horizon matter only where S would turn (or keep)
+        # the gate on: S ≥ 1 + h while this batch size is off, S ≥ 1 otherwise
+        off = self.gating and self.gate.states.get(batch_size) is False
+        if backlog and speedup >= (1 + self.gate.hysteresis if off else 1):
             catch_up = {
                 arm: self.catch_up_seconds(arm, batch_size, backlog.get(arm.proposer, 0))
                 for arm in self.arms
