@@ -7,6 +7,7 @@ produced by a virtual clock that a forward hook advances by a + b·tokens per ta
 from __future__ import annotations
 
 import copy
+import json
 import random
 
 import pytest
@@ -27,6 +28,7 @@ from specrl.rollout.gating import (
     k_choices,
 )
 from specrl.rollout.proposers import Draft, register_proposer
+from specrl.rollout.state import restore, snapshot
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -530,6 +532,22 @@ def test_controller_is_deterministic_given_seed_and_timings():
         _simulate(ctrl, batch=8, steps=200, a=1.0, b=0.1, alpha=0.7)
         runs.append(ctrl.to_dict())
     assert runs[0] == runs[1]
+
+
+def test_controller_state_round_trips_through_json():
+    """A trained controller saved as JSON (the training checkpoint's engine state) and restored
+    into a fresh one decides exactly as the original from there on; its arms stay arms (an older
+    state that stored them as objects restores too)."""
+    trained = SpecController(["ngram", "eagle"], 4, seed=11)
+    _simulate(trained, batch=8, steps=150, a=1.0, b=0.1, alpha=0.7)
+    fresh = SpecController(["ngram", "eagle"], 4, seed=0)
+    restore(json.loads(json.dumps(snapshot(trained))), fresh)
+    assert all(type(arm) is Arm for arm in (*fresh.arms, *fresh._shape))
+    for ctrl in (trained, fresh):
+        _simulate(ctrl, batch=8, steps=100, a=1.0, b=0.1, alpha=0.7)
+    assert fresh.to_dict() == trained.to_dict()
+    old = {"__obj__": "specrl.rollout.gating.Arm", "attrs": {"proposer": "ngram", "k": 2}}
+    assert restore(old) == Arm("ngram", 2) and type(restore(old)) is Arm
 
 
 # ------------------------------------------------------------------------- the engine, virtual time

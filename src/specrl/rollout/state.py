@@ -25,6 +25,9 @@ def snapshot(x: Any) -> Any:
         return x if math.isfinite(x) else {"__float__": repr(x)}
     if isinstance(x, list):
         return [snapshot(v) for v in x]
+    if isinstance(x, tuple) and hasattr(x, "_fields") and type(x).__module__.startswith("specrl."):
+        path = f"{type(x).__module__}.{type(x).__qualname__}"  # a specrl NamedTuple (Arm)
+        return {"__namedtuple__": path, "values": [snapshot(v) for v in x]}
     if isinstance(x, tuple):
         return {"__tuple__": [snapshot(v) for v in x]}
     if isinstance(x, deque):
@@ -49,11 +52,15 @@ def snapshot(x: Any) -> Any:
     raise TypeError(f"cannot snapshot {type(x).__name__}")
 
 
-def _new(path: str) -> Any:
+def _class(path: str) -> type:
     module, _, name = path.rpartition(".")
     if not module.startswith("specrl."):
         raise ValueError(f"refusing to create {path!r}: only specrl classes are restored")
-    cls = getattr(importlib.import_module(module), name)
+    return getattr(importlib.import_module(module), name)
+
+
+def _new(path: str) -> Any:
+    cls = _class(path)
     return cls.__new__(cls)
 
 
@@ -67,6 +74,11 @@ def restore(state: Any, into: Any = None) -> Any:
         return float(state["__float__"])
     if "__tuple__" in state:
         return tuple(restore(v) for v in state["__tuple__"])
+    if "__namedtuple__" in state:
+        cls = _class(state["__namedtuple__"])
+        if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")):
+            raise ValueError(f"{state['__namedtuple__']!r} is not a named tuple")
+        return cls(*(restore(v) for v in state["values"]))
     if "__deque__" in state:
         return deque((restore(v) for v in state["__deque__"]), maxlen=state["maxlen"])
     if "__set__" in state:
@@ -80,6 +92,9 @@ def restore(state: Any, into: Any = None) -> Any:
         cls = {"Counter": Counter, "OrderedDict": OrderedDict, "dict": dict}[state["kind"]]
         return cls(dict((restore(k), restore(v)) for k, v in state["__map__"]))
     if "__obj__" in state:
+        cls = _class(state["__obj__"])
+        if issubclass(cls, tuple) and hasattr(cls, "_fields"):  # was a dataclass (older state)
+            return cls(**{k: restore(v) for k, v in state["attrs"].items()})
         obj = into if into is not None and hasattr(into, "__dict__") else _new(state["__obj__"])
         frozen = dataclasses.is_dataclass(obj) and type(obj).__dataclass_params__.frozen
         for name, val in state["attrs"].items():
