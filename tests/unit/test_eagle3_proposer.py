@@ -160,6 +160,7 @@ def test_backlog_counts_the_positions_the_draft_has_not_seen():
     planned, drafted, unseen = [], [], []
 
     def gated(batch_size, backlog=None, remaining=None):
+        backlog = backlog() if callable(backlog) else backlog  # the engine passes it lazily
         planned.append(backlog["eagle3"])
         states = [prop._state[s.seq_id] for s in engine._running]
         unseen.append(sum(b - a for st in states for _, a, b in st.pending))  # tap rows queued

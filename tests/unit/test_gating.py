@@ -458,6 +458,18 @@ def test_gate_speculates_in_the_latency_bound_tail_and_not_in_a_full_batch():
     assert tokens / seconds == pytest.approx(64 / (a + b * 64))  # exactly plain decoding
 
 
+def test_a_gated_off_step_does_not_ask_for_the_backlog():
+    """Counting a proposer's backlog walks the batch; while the gate is off and no probe is due
+    the controller has no use for it and must not ask (the engine passes it lazily)."""
+    ctrl = SpecController(["ngram"], 8, probe=0.05, seed=0)
+    _simulate(ctrl, batch=64, steps=300, a=1.0, b=0.2, alpha=0.6)
+    assert not ctrl.gate.on
+    asked = []
+    for _ in range(100):
+        assert ctrl.plan(64, lambda: asked.append(1) or {"ngram": 64}) is None
+    assert not asked
+
+
 def test_gate_off_probes_rarely_where_higher_acceptance_could_pay():
     """A latency-bound batch (t = 10 s + 0.05 s per token at 64 sequences) with drafts rarely
     accepted (α = 0.1): speculation loses now, but would win at high acceptance (ceiling ≈ 3),

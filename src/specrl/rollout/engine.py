@@ -464,8 +464,9 @@ class RolloutEngine:
         )
 
     def _plan_decode(self, seqs: list[SeqState]) -> _Launch:
-        backlog = self._backlog(seqs)
-        arms = self.controller.plan(len(seqs), backlog, lambda: self._remaining(seqs))
+        arms = self.controller.plan(
+            len(seqs), lambda: self._backlog(seqs), lambda: self._remaining(seqs)
+        )
         drafts = [Draft([]) for _ in seqs]
         caps = [0] * len(seqs)
         draft_calls = []

@@ -544,14 +544,15 @@ class SpecController:
     def plan(
         self,
         batch_size: int,
-        backlog: Mapping[str, int] | None = None,
+        backlog: Mapping[str, int] | Callable[[], Mapping[str, int]] | None = None,
         remaining: Callable[[], float] | None = None,
     ) -> list[Arm] | None:
         """The arm of every sequence for a speculative step, or None for a plain step.
 
         ``backlog``: positions each proposer has queued for these sequences
-        (:meth:`Proposer.backlog`); ``remaining``: the batch's expected remaining tokens (asked
-        only when some proposer has a backlog to pay for).
+        (:meth:`Proposer.backlog`), or a callable returning them (asked only where the catch-up
+        is priced); ``remaining``: the batch's expected remaining tokens (asked only when some
+        proposer has a backlog to pay for).
 
         One decision per step, shared by its sequences: a step that mixes arms pays every extra
         proposer's per-call cost and the longest chain (and, with a padding kernel, the longest
@@ -585,6 +586,8 @@ class SpecController:
         # a backlog only lowers S: it and its horizon matter only where S would turn (or keep)
         # the gate on: S ≥ 1 + h while this batch size is off, S ≥ 1 otherwise
         off = self.gating and self.gate.states.get(batch_size) is False
+        if callable(backlog) and speedup >= (1 + self.gate.hysteresis if off else 1):
+            backlog = backlog()
         if backlog and speedup >= (1 + self.gate.hysteresis if off else 1):
             catch_up = {
                 arm: self.catch_up_seconds(arm, batch_size, backlog.get(arm.proposer, 0))
@@ -620,8 +623,12 @@ class SpecController:
                 waited = self._plain_runs[batch_size] = self._plain_runs.get(batch_size, 0) + 1
                 if self.probe <= 0 or not probe_arms:
                     return self._plain()
+                if waited < PROBE_STEPS / self.probe:  # the shortest wait, whatever S₁ is
+                    return self._plain()
                 arm = max(probe_arms, key=lambda a: secs[a][0] / secs[a][1])  # best steady rate
                 tau, t = secs[arm]
+                if callable(backlog):
+                    backlog = backlog()
                 if backlog:  # a probe pays the whole catch-up
                     t += catch_up.get(arm) or self.catch_up_seconds(
                         arm, batch_size, backlog.get(arm.proposer, 0)
