@@ -564,17 +564,16 @@ class SpecController:
         steps (the engine takes no target timing from a step that switches kind).  While the
         gate is off, a probe speculates once in ``PROBE_STEPS · max(1, (1 − S₁)/h) / probe``
         steps at that batch size (each size keeps its own count, as it keeps its own gate
-        state: the few steps a shrinking batch spends at each tail size add up slowly, so
-        the tails are not probed every wave), S₁ the speedup of its first step (the whole
-        catch-up included): acceptance
-        estimates stay fresh (new weights can make speculation pay again), rarer the clearer
-        the loss.  It measures only arms whose :meth:`ceiling` (every draft accepted) clears
-        1 + h: where not even that would turn the gate on, its outcome could not change the
-        decision (an EAGLE-3 draft at a large batch, which would pay its whole catch-up for
-        nothing), and with no such arm there is no probe.  While it is on, a probe runs plain
-        once in ``PROBE_STEPS / probe`` steps, whatever S says: S itself depends on the plain
-        step time t_p(B), which must be measured, not extrapolated from speculative steps.
-        Either way about ``probe`` of the steps, at most.
+        state: the few steps a shrinking batch spends at each tail size add up slowly, so the
+        tails are not probed every wave), S₁ the speedup of its first step (the whole catch-up
+        included): acceptance estimates stay fresh (new weights can make speculation pay
+        again), rarer the clearer the loss.  It measures only arms whose :meth:`ceiling` (every
+        draft accepted) clears 1 + h: where not even that would turn the gate on, its outcome
+        could not change the decision (an EAGLE-3 draft at a large batch, which would pay its
+        whole catch-up for nothing), and with no such arm there is no probe.  While it is on,
+        a probe runs plain once in ``PROBE_STEPS / probe`` steps, whatever S says: S itself
+        depends on the plain step time t_p(B), which must be measured, not extrapolated from
+        speculative steps.  Either way about ``probe`` of the steps, at most.
         """
         if self.bandit is None:
             self.plain_steps += 1
@@ -586,9 +585,10 @@ class SpecController:
         # a backlog only lowers S: it and its horizon matter only where S would turn (or keep)
         # the gate on: S ≥ 1 + h while this batch size is off, S ≥ 1 otherwise
         off = self.gating and self.gate.states.get(batch_size) is False
-        if callable(backlog) and speedup >= (1 + self.gate.hysteresis if off else 1):
+        priced = speedup >= (1 + self.gate.hysteresis if off else 1)
+        if priced and callable(backlog):
             backlog = backlog()
-        if backlog and speedup >= (1 + self.gate.hysteresis if off else 1):
+        if priced and backlog:
             catch_up = {
                 arm: self.catch_up_seconds(arm, batch_size, backlog.get(arm.proposer, 0))
                 for arm in self.arms
