@@ -17,6 +17,7 @@ import torch
 from specrl.errors import ConfigError
 from specrl.models.generate import generate
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
+from specrl.rollout.compiled import _ENTRIES
 from tests.unit.test_draft import make_pair
 from tests.unit.test_engine import PROMPTS, greedy, make_engine, tiny
 
@@ -60,6 +61,7 @@ def test_compiled_engine_emits_what_the_eager_engine_emits(model, proposers):
         out[compiled] = engine.generate(requests(MIXED))
     assert engine.stats()["compiled_graphs"] > 0  # this run compiled (M > 1 is new for best-of-n)
     assert engine._compiled.unguarded > 0  # and most steps skipped dynamo's guards
+    assert engine._compiled.direct > 0 or _ENTRIES is None  # (directly, where torch allows)
     eager, comp = out[False], out[True]
     assert [r.tokens for r in comp] == [r.tokens for r in eager]
     for a, b in zip(comp, eager, strict=True):
@@ -136,6 +138,9 @@ def test_compiled_engine_and_eagle3_chain_draft_what_eager_ones_draft():
         # the target's decode steps and the draft's chain steps both ran compiled
         assert (eagle3.compiled_graphs > 0) == compiled
         assert (engine.stats()["compiled_graphs"] or 0) > 0 or not compiled
+        if compiled and _ENTRIES is not None:  # every compiled callable ran direct calls
+            parts = (engine._compiled, engine._compiled_decide, eagle3._compiled)
+            assert all(c.direct > 0 for c in (*parts, eagle3._compiled_start))
     assert [r.tokens for r in outs[True]] == [r.tokens for r in outs[False]]
     ref = generate(target, PROMPTS, 16)
     assert [r.tokens for r in outs[True][::2]] == ref[::2]
@@ -197,6 +202,28 @@ def test_warmup_covers_the_eagle3_drafter_greedy_and_sampled():
 
 
 @needs_cxx
+def test_every_graph_class_stays_direct_engine_after_engine():
+    """Engines built one after another on one target share dynamo's graphs, while a fresh
+    draft's host caches (its RoPE tables) start empty.  With every direct call's guards checked
+    (the suite's CHECK_EVERY = 1), no graph class of any compiled callable may fall back to
+    guarded calls: the classes' keys name every fact the graphs depend on."""
+    target, _ = make_pair()
+    params = [greedy(10), SamplingParams(max_tokens=10, temperature=1.0, seed=3)]
+    for _ in range(2):
+        _, draft = make_pair()  # fresh, empty host caches; same shapes
+        options = {"eagle3": {"draft": draft}}
+        spec = SpecConfig(proposers=("eagle3",), max_k=3, gate=False, proposer_options=options)
+        for batch in (1, 2):
+            engine = make_engine(target, max_batch_size=batch, spec=spec, compile=True)
+            engine.generate(requests(params))
+            eagle3 = engine.proposers["eagle3"]
+            parts = (engine._compiled, engine._compiled_decide)
+            parts += (eagle3._compiled, eagle3._compiled_start)
+            assert [c.what for c in parts if c._always_guarded] == []
+            assert all(c.direct > 0 for c in parts) or _ENTRIES is None
+
+
+@needs_cxx
 def test_compilation_time_stays_out_of_the_gate_cost_model():
     """Steps that compile a graph take seconds; the gate's cost model must not see them (one
     such sample among milliseconds would make plain or speculative steps look slow for the
@@ -245,12 +272,61 @@ def test_guards_are_skipped_only_for_graph_classes_already_served():
     # a new class runs guarded: its graph compiles, the first class's is not reused for it
     assert compiled(torch.arange(5.0), False, key="off").tolist() == [-1.0, 1.0, 3.0, 5.0, 7.0]
     assert compiled.unguarded == 2 and compiled.graphs == 2
+    assert compiled.direct == (2 if compiled._raw is not None else 0)  # dynamo's entry code
     # inside another stance (a test's fail_on_recompile) every call is fully guarded
     with torch.compiler.set_stance("fail_on_recompile"):
         assert compiled(x, True, key="on").tolist() == [1.0, 3.0, 5.0]
         with pytest.raises(RuntimeError, match=r"fail_on_recompile|Recompil"):
             compiled(x.double(), True, key="on")  # a new dtype: guarded, so caught
     assert compiled.unguarded == 2
+
+
+@needs_cxx
+def test_direct_calls_run_the_entry_dynamo_would_run_with_its_side_effects():
+    """A bound method whose call mutates its argument (the decode forward stores the cache rows
+    it built on its CacheBatch): direct calls replay the mutation, pick the right entry per
+    class, never bypass dynamo for a grad mode the class was not served in, and compile
+    nothing."""
+    from dataclasses import dataclass
+
+    from specrl.rollout.compiled import Compiled
+
+    @dataclass
+    class Box:
+        x: torch.Tensor
+        flag: bool
+        out: torch.Tensor | None = None
+
+    class Stepper:
+        def __init__(self) -> None:
+            self.w = torch.tensor([2.0, 3.0, 4.0])
+
+        def step(self, box: Box, shift: float) -> torch.Tensor:
+            y = box.x * self.w + shift if box.flag else box.x - self.w
+            box.out = y * 2
+            return y
+
+    stepper = Stepper()
+    compiled = Compiled(stepper.step, torch.device("cpu"), "the test step")
+    if compiled._raw is None:
+        pytest.skip("this torch exposes no dynamo cache entries")
+    x = torch.arange(3.0)
+    with torch.no_grad():
+        for _ in range(2):  # compile each class, then serve it
+            for flag in (True, False):
+                compiled(Box(x, flag), 1.0, key=flag)
+        graphs = compiled.graphs
+        for shift in (1.0, 5.0, -2.0):  # a host float: a dynamic input, not part of the key
+            for flag in (True, False):
+                box = Box(x, flag)
+                want = x * stepper.w + shift if flag else x - stepper.w
+                torch.testing.assert_close(compiled(box, shift, key=flag), want)
+                torch.testing.assert_close(box.out, want * 2)  # the side effect, replayed
+    assert compiled.direct == 6 and compiled.graphs == graphs
+    # with grad enabled, the classes are new: guarded calls (compiling what they need) first
+    direct = compiled.direct
+    torch.testing.assert_close(compiled(Box(x, True), 1.0, key=True), x * stepper.w + 1)
+    assert compiled.direct == direct
 
 
 def test_compile_without_a_cxx_compiler_is_a_config_error(monkeypatch):
@@ -261,23 +337,35 @@ def test_compile_without_a_cxx_compiler_is_a_config_error(monkeypatch):
 
 @needs_cxx
 def test_a_guard_free_call_that_needs_a_new_graph_reruns_guarded():
-    """A key that misses a fact the graphs depend on (here the mode): the guard-free call finds
-    no graph, is rerun fully guarded (compiling the right one), and its class stays guarded."""
+    """A key that misses a fact the graphs depend on (here the mode): the direct call's guard
+    check (every call in the test suite) fails, so the call runs fully guarded (compiling the
+    right graph) and its class stays guarded; without direct calls, the guard-free stance finds
+    no graph and the call is rerun guarded."""
+    from specrl.rollout import compiled as module
     from specrl.rollout.compiled import Compiled
 
     def step(x: torch.Tensor, mode: str) -> torch.Tensor:
         return {"add": x + 1, "sub": x - 1, "mul": x * 3}[mode]
 
-    compiled = Compiled(step, torch.device("cpu"), "the test step")
-    x = torch.arange(3.0)
-    for mode in ("add", "sub"):  # two classes, each compiled, then served
-        for _ in range(3):
-            compiled(x, mode, key=mode)
-    assert compiled.graphs == 2 and compiled.unguarded == 2
-    # the caller files "mul" under the key of "add": guard-free, no graph fits
-    assert compiled(x, "mul", key="add").tolist() == [0.0, 3.0, 6.0]
-    assert compiled.graphs == 3 and compiled.unguarded == 3
-    for _ in range(2):  # the class stays guarded (and right) from now on
-        assert compiled(x, "add", key="add").tolist() == [1.0, 2.0, 3.0]
+    def step_2(x: torch.Tensor, mode: str) -> torch.Tensor:  # its own code: its own graphs
+        return {"add": x + 1, "sub": x - 1, "mul": x * 3}[mode]
+
+    for direct, fn in ((True, step), (False, step_2)):
+        compiled = Compiled(fn, torch.device("cpu"), "the test step")
+        if not direct:
+            compiled._raw = None  # a torch without dynamo's cache entries: the stance path
+        x = torch.arange(3.0)
+        for mode in ("add", "sub"):  # two classes, each compiled (once), then served
+            for _ in range(3):
+                compiled(x, mode, key=mode)
+        assert compiled.unguarded == 2 and compiled.direct == (2 if direct else 0)
+        graphs = compiled.graphs
+        # the caller files "mul" under the key of "add": caught, run guarded, right
         assert compiled(x, "mul", key="add").tolist() == [0.0, 3.0, 6.0]
-    assert compiled.graphs == 3 and compiled.unguarded == 3
+        assert compiled.graphs == graphs + 1  # its own graph, compiled by the guarded run
+        assert compiled.unguarded == (2 if direct else 3)
+        for _ in range(2):  # the class stays guarded (and right) from now on
+            assert compiled(x, "add", key="add").tolist() == [1.0, 2.0, 3.0]
+            assert compiled(x, "mul", key="add").tolist() == [0.0, 3.0, 6.0]
+        assert compiled.unguarded == (2 if direct else 3)
+        assert module.CHECK_EVERY == 1  # tests/conftest.py

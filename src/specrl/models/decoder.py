@@ -63,12 +63,18 @@ class Rotary:
         second."""
         math_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         key = (position_ids.device, math_dtype)
-        cached = self._inv.get(key)
+        # inside a compiled graph the tables are built, never looked up: a graph that read the
+        # host cache would be guarded on its contents (empty or not), a fact its callers'
+        # graph-class keys do not name (specrl.rollout.compiled)
+        compiling = torch.compiler.is_compiling()
+        cached = None if compiling else self._inv.get(key)
         if cached is None:
             inv = torch.tensor(self.inv_freq_list, dtype=torch.float64).to(position_ids.device)
             half = len(self.inv_freq_list)
             sign = torch.tensor([-1.0] * half + [1.0] * half, device=position_ids.device)
-            cached = self._inv[key] = (inv.to(math_dtype), sign.to(math_dtype))
+            cached = (inv.to(math_dtype), sign.to(math_dtype))
+            if not compiling:
+                self._inv[key] = cached
         inv, sign = cached
         freqs = position_ids.to(math_dtype)[:, None] * inv[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)

@@ -31,23 +31,38 @@ recompilation; the GEMMs are the module path's (q, k, v apart: the fused copies 
 size, stride and dtype, every input's, the symbolic-size relations — 50–350 µs a call here,
 a fifth of a batch-1 decode step.  Callers name each call's *graph class* (``key``: the
 host-side facts that choose the graph, e.g. "one sequence, one token").  Once a fully guarded
-call of a class has run without compiling, later calls of that class run under dynamo's
-``skip_guard_eval_unsafe`` stance: only the guards that ever told cached graphs apart are
-checked (the sizes that specialise, the model instance), which is exact as long as the key
-covers every host-side fact a graph depends on — the same bet vLLM makes when it dispatches
-to its compiled graphs without dynamo's guards.  Calls run fully guarded when the caller is
-inside another stance (``fail_on_recompile`` in the tests) or gives no key.  Should a key miss
-a fact after all, so that a guard-free call finds no graph, dynamo refuses to compile under
-that stance before running anything: the call is then rerun fully guarded (compiling what it
-needs) and its class stays guarded from then on.
+call of a class has run without compiling, later calls of that class skip dynamo:
+
+- **direct calls** (where this torch exposes dynamo's cache entries): the guarded call that
+  serves a class first finds, by evaluating each cache entry's guards on its arguments, the
+  entry dynamo runs for it; later calls of the class run that entry's code (dynamo's rewritten
+  bytecode, which feeds the compiled graph) as a plain function — no frame interception, no
+  cache lookup.  This is vLLM's custom dispatcher (``TorchCompileWrapperWithCustomDispatcher``)
+  and saves a further 80–220 µs a call over the stance below (``benchmarks/compiled_dispatch.py``).
+  Every ``check_every``-th direct call (:data:`CHECK_EVERY`; every call in the test suite)
+  first evaluates the entry's guards in full: should they fail, the key missed a fact, and the
+  call, and its class from then on, run fully guarded;
+- otherwise, dynamo's ``skip_guard_eval_unsafe`` stance: only the guards that ever told cached
+  graphs apart are checked (the sizes that specialise, the model instance).  Should a key miss
+  a fact after all, so that a guard-free call finds no graph, dynamo refuses to compile under
+  that stance before running anything: the call is then rerun fully guarded (compiling what it
+  needs) and its class stays guarded from then on.
+
+Either is exact as long as the key covers every host-side fact a graph depends on — the bet
+vLLM makes when it dispatches to its compiled graphs without dynamo's guards.  Calls run fully
+guarded when the caller is inside another stance (``fail_on_recompile`` in the tests) or gives
+no key; the grad mode is part of every class.
 
 On CPU inductor builds C++ and needs a compiler (``g++``); on CUDA it uses Triton.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 import shutil
+import types
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -59,6 +74,14 @@ from specrl.models.decoder import CacheBatch, ModelOutput, Transformer
 __all__ = ["Compiled", "CompiledDecode", "check_toolchain"]
 
 RECOMPILE_LIMIT = 64
+# every how many direct calls of a graph class its entry's guards are evaluated in full (0:
+# never); the test suite sets 1, so every compiled call of the engine tests proves its key
+CHECK_EVERY = 256
+# direct calls on (read when a Compiled is built; benchmarks/compiled_dispatch.py turns them
+# off to measure the guard-free stance alone)
+DIRECT_CALLS = True
+
+log = logging.getLogger(__name__)
 
 
 def check_toolchain(device: torch.device) -> None:
@@ -74,8 +97,8 @@ def check_toolchain(device: torch.device) -> None:
 
 class Compiled:
     """``torch.compile(fn, dynamic=True)`` for the engine's shape-stable calls: counts the graphs
-    it compiles, skips guard evaluation for graph classes already served (module docstring) and
-    names the way out when compilation fails."""
+    it compiles, runs graph classes already served without dynamo's guards (module docstring)
+    and names the way out when compilation fails."""
 
     def __init__(self, fn: Callable[..., Any], device: torch.device, what: str) -> None:
         check_toolchain(device)
@@ -85,12 +108,29 @@ class Compiled:
         self._fn = torch.compile(fn, dynamic=True)
         self.what = what
         self.graphs = 0  # graphs dynamo compiled for this callable so far
-        self.guard_free = _STANCES is not None  # this torch has the hooks
+        self.guard_free = _STANCES is not None  # this torch has the stance hooks
         self._served: set[Hashable] = set()  # graph classes a guarded call ran without compiling
-        self.unguarded = 0  # calls run with guard evaluation skipped
+        self.unguarded = 0  # calls run with guard evaluation skipped (direct or stance)
+        self.direct = 0  # of which direct calls
         self._always_guarded: set[Hashable] = set()  # classes a guard-free call had to leave
+        # direct calls: the plain function behind ``fn`` (and the instance it is bound to),
+        # and per served class the cache entry dynamo runs for it, as a function
+        raw = getattr(fn, "__func__", fn)
+        self._self = getattr(fn, "__self__", None) if raw is not fn else None
+        direct_ok = DIRECT_CALLS and _ENTRIES is not None and isinstance(raw, types.FunctionType)
+        self._raw: types.FunctionType | None = raw if direct_ok else None
+        self._signature = inspect.signature(raw) if direct_ok else None
+        self._direct: dict[Hashable, tuple[Callable[..., Any], Any]] = {}
+        self._direct_calls: dict[Hashable, int] = {}
 
     def __call__(self, *args: Any, key: Hashable | None = None, **kwargs: Any) -> Any:
+        if key is not None:  # the grad mode is part of every graph class (dynamo guards it)
+            key = (key, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+            direct = self._direct.get(key)
+            if direct is not None and _default_stance():
+                out = self._call_direct(key, *direct, args, kwargs)
+                if out is not _MISSED:
+                    return out
         counters = torch._dynamo.utils.counters["stats"]
         before = counters["unique_graphs"]
         dynamo, fx = torch._dynamo.config, torch.fx.experimental._config
@@ -101,10 +141,18 @@ class Compiled:
         # heads, an input's storage offset) must not become one symbol whose guard fails, and
         # recompiles, once they differ.  (Plain attribute writes: config.patch costs ≈ 30 µs.)
         dynamo.recompile_limit, fx.use_duck_shape = max(saved[0], RECOMPILE_LIMIT), False
-        stance = None
+        stance = entry = None
         if self.guard_free and key is not None and key in self._served:
             stance = _skip_guards()
             self.unguarded += stance is not None
+        elif (
+            self._raw is not None
+            and key is not None
+            and key not in self._always_guarded
+            and _default_stance()
+        ):
+            # the entry dynamo will run, found before the call (which may mutate its arguments)
+            entry = self._find_entry(args, kwargs)
         try:
             try:
                 out = self._fn(*args, **kwargs)
@@ -140,7 +188,84 @@ class Compiled:
             and _default_stance()
         ):
             self._served.add(key)
+            if entry is not None:  # ran without compiling: the entry found is the one it ran
+                function = _entry_function(self._raw, entry.code)  # type: ignore[arg-type]
+                if function is not None:
+                    self._direct[key] = (function, entry)
         return out
+
+    def _locals(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """The frame locals a call starts with (what dynamo's guards read)."""
+        lead = () if self._self is None else (self._self,)
+        bound = self._signature.bind(*lead, *args, **kwargs)  # type: ignore[union-attr]
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    def _find_entry(self, args: tuple, kwargs: dict) -> Any | None:
+        """The first of dynamo's cache entries for ``fn`` whose guards pass on these arguments
+        (dynamo's own choice), or None."""
+        try:
+            f_locals = self._locals(args, kwargs)
+            for entry in _ENTRIES(self._raw.__code__):  # type: ignore[misc, union-attr]
+                if entry.guard_manager.check(f_locals):
+                    return entry
+        except Exception:  # a torch whose entries differ: no direct calls
+            return None
+        return None
+
+    def _call_direct(
+        self, key: Hashable, function: Callable[..., Any], entry: Any, args: tuple, kwargs: dict
+    ) -> Any:
+        n = self._direct_calls[key] = self._direct_calls.get(key, 0) + 1
+        if CHECK_EVERY and (n - 1) % CHECK_EVERY == 0 and not self._passes(entry, args, kwargs):
+            log.warning(
+                "compiled %s: graph class %r does not name every fact its graph depends on; "
+                "its calls run fully guarded from now on",
+                self.what,
+                key[0],
+            )
+            del self._direct[key]
+            self._served.discard(key)
+            self._always_guarded.add(key)
+            return _MISSED
+        self.unguarded += 1
+        self.direct += 1
+        if self._self is not None:
+            return function(self._self, *args, **kwargs)
+        return function(*args, **kwargs)
+
+    def _passes(self, entry: Any, args: tuple, kwargs: dict) -> bool:
+        try:
+            return bool(entry.guard_manager.check(self._locals(args, kwargs)))
+        except Exception:  # cannot tell: take the guarded path
+            return False
+
+
+_MISSED = object()  # a direct call whose guards failed: run it guarded instead
+
+
+def _entry_function(raw: types.FunctionType, code: types.CodeType) -> Callable[..., Any] | None:
+    """``raw`` with dynamo's rewritten code of one cache entry (it reads the compiled graph from
+    ``raw``'s module globals, where dynamo installed it)."""
+    try:
+        function = types.FunctionType(
+            code, raw.__globals__, raw.__name__, raw.__defaults__, raw.__closure__
+        )
+    except (TypeError, ValueError):  # a closure the rewritten code does not take
+        return None
+    function.__kwdefaults__ = raw.__kwdefaults__
+    return function
+
+
+def _cache_entries() -> Callable[[types.CodeType], list[Any]] | None:
+    """dynamo's cache entries of a code object (each with ``.code`` and ``.guard_manager``);
+    None where this torch lacks the accessor (direct calls then stay off)."""
+    from torch._dynamo import eval_frame
+
+    return getattr(eval_frame, "_debug_get_cache_entry_list", None)
+
+
+_ENTRIES = _cache_entries()
 
 
 def _stance_hooks() -> tuple[Any, Callable[[Any], Any], type] | None:
