@@ -241,7 +241,6 @@ def main() -> None:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"meta": meta, "per_call": calls, "per_engine": engines}
     atomic_write_text(args.out, json.dumps(payload, indent=2) + "\n")
 

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from specrl.config.loader import atomic_write_text
 from specrl.models.checkpoint import load_model, load_tokenizer
 from specrl.models.tokenizer import TextCodec
 from specrl.rl.tasks import AdditionTask
@@ -224,10 +225,7 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "date": time.strftime("%Y-%m-%d"),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, args.out)
+    atomic_write_text(args.out, json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
