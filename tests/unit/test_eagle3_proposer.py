@@ -7,9 +7,10 @@ import pytest
 import torch
 from scipy import stats
 
-from specrl.errors import CheckpointError
+from specrl.errors import CheckpointError, ConfigError
 from specrl.models.generate import generate
 from specrl.rollout import Request, SamplingParams, SpecConfig
+from specrl.rollout.proposers.eagle3 import SCALES, TemperatureScale
 from tests.unit.test_draft import make_pair
 from tests.unit.test_engine import _exact_marginals, greedy, make_engine
 
@@ -19,9 +20,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[1, 5, 6, 7, 5, 6], [3, 4, 3, 4, 3], [9], [10, 11, 12, 13, 10, 11, 12], [2, 2]]
 
 
-def spec_with(draft, *names, k=4):
+def spec_with(draft, *names, k=4, **options):
     return SpecConfig(
-        proposers=names, max_k=k, gate=False, proposer_options={"eagle3": {"draft": draft}}
+        proposers=names,
+        max_k=k,
+        gate=False,
+        proposer_options={"eagle3": {"draft": draft, **options}},
     )
 
 
@@ -38,14 +42,21 @@ def test_greedy_eagle3_matches_plain(slots, names):
     assert "eagle3" in {arm.split("/")[0] for arm in s["gating"]["selections"]}
 
 
-def test_sampled_eagle3_is_lossless():
+@pytest.mark.parametrize("scale", ["auto", 0.1])
+def test_sampled_eagle3_is_lossless(scale):
+    """Lossless whatever q the draft samples from: its own (learned scale, which visits every
+    scale) or a much sharper one."""
     target, draft = make_pair(seed=2)
     params = SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, n=3000, seed=1)
-    engine = make_engine(
-        target, max_batch_size=256, max_model_len=8, spec=spec_with(draft, "eagle3", k=2)
-    )
+    spec = spec_with(draft, "eagle3", k=2, temperature_scale=scale)
+    engine = make_engine(target, max_batch_size=256, max_model_len=8, spec=spec)
     out = engine.generate([Request([1, 2], params)])
     assert engine.stats()["spec"]["drafts"] > 500
+    rounds = engine.stats()["drafters"]["eagle3"]["temperature_scale"]["scales"]
+    if scale == "auto":  # every scale drafted
+        assert all(r["rounds"] > 0 and r["drafts"] > 0 for r in rounds.values())
+    else:
+        assert sum(r["rounds"] for r in rounds.values()) == 0
     tokens = np.array([r.tokens for r in out])
     v = target.config.vocab_size
     for pos, exact in enumerate(_exact_marginals(target, [1, 2], 3, params)):
@@ -176,3 +187,77 @@ def test_backlog_counts_the_positions_the_draft_has_not_seen():
     assert ctrl.lengths.expected_remaining(0, 100) == pytest.approx(
         sum(len(r.tokens) for r in out) / len(out)
     )  # finished lengths reach the gate's length model
+
+
+@pytest.mark.parametrize("bad", [0, -0.5, "hot", True, None])
+def test_temperature_scale_rejects_bad_values(bad):
+    with pytest.raises(ConfigError, match="temperature_scale"):
+        TemperatureScale(bad)
+
+
+def test_fixed_temperature_scale_draws_nothing_and_reports_its_q():
+    """A fixed scale s: q = softmax(draft logits / (T·s)) exactly, every round."""
+    target, draft = make_pair(seed=3)
+    engine = make_engine(
+        target, max_batch_size=1, spec=spec_with(draft, "eagle3", k=1, temperature_scale=0.25)
+    )
+    prop = engine.proposers["eagle3"]
+    inner, seen = prop.propose, []
+
+    def recording(batch, ks):
+        h = [prop._state[s.seq_id] for s in batch]
+        out = inner(batch, ks)
+        for st, d in zip(h, out, strict=True):
+            if d.tokens:
+                seen.append((st.h_last.clone(), d.probs[0].clone()))
+        return out
+
+    prop.propose = recording
+    engine.generate([Request(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0.8, seed=4))])
+    assert seen
+    for h, q in seen:
+        logits = prop.draft.logits(h[None])[0]
+        want = torch.zeros_like(q)
+        want[prop._to_target] = torch.softmax(logits.double() / (0.8 * 0.25), -1).to(q.dtype)
+        torch.testing.assert_close(q, want)
+    assert prop.temperature_scale.to_dict()["mode"] == "fixed"
+
+
+def test_learned_temperature_scale_settles_on_the_best_scale():
+    """Simulated verifications where s = 0.25 accepts most: after the round-robin start, the
+    bandit plays it in the large majority of rounds and still revisits the others."""
+    rng = np.random.default_rng(0)
+    rate = {1.0: 0.5, 0.5: 0.6, 0.25: 0.7, 0.1: 0.65}
+    ts = TemperatureScale("auto", seed=0)
+    picks = []
+    for _ in range(2000):
+        s = ts.pick()
+        picks.append(s)
+        ts.record(s, int(rng.binomial(4, rate[s])), 4)
+    late = picks[500:]
+    assert late.count(0.25) / len(late) > 0.8
+    assert set(late) == set(SCALES)  # exploration continues (the draft drifts)
+    est = {float(k): v["acceptance"] for k, v in ts.to_dict()["scales"].items()}
+    assert max(est, key=est.get) == 0.25
+
+
+def test_learned_temperature_scale_is_resumable():
+    """The scale bandit is engine state: a fresh engine loading ``state_dict()`` samples the
+    same tokens as the engine it came from."""
+    target, draft = make_pair(seed=2)
+    spec = spec_with(draft, "eagle3", k=2)
+    first = make_engine(target, max_batch_size=2, spec=spec)
+    params = SamplingParams(max_tokens=8, temperature=1.0, n=4, seed=3)
+    first.generate([Request(p, params) for p in PROMPTS[:2]])
+    fresh = make_engine(target, max_batch_size=2, spec=spec)
+    fresh.load_state_dict(first.state_dict())
+    scale = {e: e.proposers["eagle3"].temperature_scale for e in (first, fresh)}
+    assert scale[first].to_dict() == scale[fresh].to_dict()
+    assert scale[first].to_dict()["scales"]["1.0"]["drafts"] > 0
+    again = [
+        Request(p, SamplingParams(max_tokens=8, temperature=1.0, n=4, seed=9)) for p in PROMPTS
+    ]
+    a = [r.tokens for r in first.generate(again)]
+    b = [r.tokens for r in fresh.generate(again)]
+    assert a == b
+    assert scale[first].to_dict() == scale[fresh].to_dict()

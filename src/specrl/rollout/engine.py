@@ -971,6 +971,12 @@ class RolloutEngine:
             "waiting": len(self._waiting),
             "spec": self._spec.to_dict(),
             "proposers": {name: s.to_dict() for name, s in self._by_proposer.items()},
+            # a proposer's own state (EAGLE-3: its draft temperature scale), where it has any
+            "drafters": {
+                name: p.stats()
+                for name, p in self.proposers.items()
+                if callable(getattr(p, "stats", None))
+            },
             "gating": self.controller.to_dict(),
             "alarms": self.alarm.alarms,
             "alarm_tau": dict(self.alarm.last),

@@ -12,9 +12,22 @@ State per sequence lives in the draft's slot KV cache (same slot as the target's
   TTT branch mask the draft is trained with (tested: decode chain == ``ttt_forward``).
 
 Greedy requests get argmax drafts (one-hot q); sampled requests draw d_j from
-q = softmax(draft logits / temperature) with the sequence's generator and report q (over the
-target vocabulary, zero outside the draft vocabulary; float32, or float64 for a float64 draft)
-so the verifier's ratio test stays exact.
+q = softmax(draft logits / (temperature · s)) with the sequence's generator and report q (over
+the target vocabulary, zero outside the draft vocabulary; float32, or float64 for a float64
+draft) so the verifier's ratio test stays exact.
+
+**Draft temperature scale** s: the ratio test is lossless for any q, so q is free to be
+sharper than the draft's own distribution.  A draft distilled with a cross-entropy to the
+target's distribution is mass-covering: where it is unsure it spreads its mass, and its chain
+positions (fed its own hidden state, not the target's) are unsure most often.  Drawing them
+from a sharper q keeps the chain on the paths the target most likely takes: at s = 0.25
+instead of 1 the toy drafts accept 0.94 / 0.77 / 0.72 / 0.59 → 0.95 / 0.84 / 0.80 / 0.69 at
+chain positions 1–4 (16-layer target) and 0.77 / 0.47 / 0.38 / 0.30 → 0.86 / 0.59 / 0.52 /
+0.40 (4-layer; ``benchmarks/draft_temperature.py``).  A draft calibrated on a high-entropy target
+would lose by it (q = p accepts everything; a sharp q only p's likely tokens), so by default
+(``temperature_scale="auto"``) s is learned: an ε-greedy bandit over :data:`SCALES` whose
+value is each scale's running mean of accepted / drafted tokens, one pick per drafting round
+(every sampled sequence of the round drafts with it), updated as verifications come back.
 
 With ``ProposerContext.compile`` a round runs as compiled passes (:meth:`_propose_compiled`):
 one for the newest main entries and d_1, one per further chain position, each picking its
@@ -28,15 +41,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from specrl.core.attention import PackedLayout
-from specrl.errors import CheckpointError
+from specrl.errors import CheckpointError, ConfigError
 from specrl.models.decoder import CacheBatch
 from specrl.models.draft import Eagle3Draft
 from specrl.models.draft_io import check_compatible, load_draft
 from specrl.rollout.compiled import Compiled
+from specrl.rollout.gating import ARM_MEMORY, EpsilonGreedy, RunningMean
 from specrl.rollout.proposers import Draft, ProposerContext, SeqState, register_proposer
 
 
@@ -63,12 +78,76 @@ class _State:
     main_len: int = 0  # draft cache rows holding step-0 entries
     # tap rows not yet in the cache: (a step's taps, first row, end row)
     pending: list[tuple[_StepTaps | torch.Tensor, int, int]] = field(default_factory=list)
+    # its sampled draft awaiting verification: tokens drafted, the temperature scale used
+    drafted: int = 0
+    scale: float = 1.0
+
+
+# draft temperature scales the "auto" bandit chooses from (1: the draft's own distribution)
+SCALES = (1.0, 0.5, 0.25, 0.1)
+
+
+class TemperatureScale:
+    """The draft temperature scale s of each drafting round: fixed, or learned ("auto").
+
+    Learned: an ε-greedy bandit (:class:`specrl.rollout.gating.EpsilonGreedy`: each scale first
+    gets ``min_samples`` rounds, then exploration whose expected cost is bounded) over
+    :data:`SCALES`, valued by each scale's running mean of accepted / drafted tokens over the
+    sampled drafts verified under it (an EMA after :data:`ARM_MEMORY` drafts: the policy and
+    the draft drift).  The chain length k is chosen by the engine independently of s, so the
+    scales' means compare like with like.
+    """
+
+    def __init__(self, scale: float | str = "auto", seed: int = 0, epsilon: float = 0.1) -> None:
+        if scale == "auto":
+            self.fixed: float | None = None
+        elif isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0:
+            self.fixed = float(scale)
+        else:
+            raise ConfigError(
+                f"eagle3 temperature_scale must be 'auto' or a number > 0, got {scale!r}",
+                hint="temperature_scale: auto (learned), 1 (the draft's own q), or e.g. 0.25",
+            )
+        self.bandit = EpsilonGreedy(SCALES, epsilon, seed)  # type: ignore[arg-type]
+        self.acceptance = {s: RunningMean(1.0 / ARM_MEMORY) for s in SCALES}
+        self.chosen = {s: 0 for s in SCALES}  # drafting rounds per scale
+
+    def pick(self) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        acc = self.acceptance
+        scale = self.bandit.choose(
+            {s: m.value for s, m in acc.items()}, {s: m.count for s, m in acc.items()}
+        )
+        self.chosen[scale] += 1
+        return scale
+
+    def record(self, scale: float, accepted: int, drafted: int) -> None:
+        mean = self.acceptance.get(scale)
+        if mean is not None:
+            mean.add(accepted / drafted)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": "auto" if self.fixed is None else "fixed",
+            "scales": {
+                str(s): {"rounds": self.chosen[s], "drafts": m.count, "acceptance": m.value}
+                for s, m in self.acceptance.items()
+            },
+        }
 
 
 class Eagle3Proposer:
     name = "eagle3"
+    state_attrs = ("temperature_scale",)  # persisted by RolloutEngine.state_dict
 
-    def __init__(self, draft: Eagle3Draft, ctx: ProposerContext, max_k: int = 16) -> None:
+    def __init__(
+        self,
+        draft: Eagle3Draft,
+        ctx: ProposerContext,
+        max_k: int = 16,
+        temperature_scale: float | str = "auto",
+    ) -> None:
         check_compatible(draft.config, ctx.target.config, "eagle3 proposer")
         self.draft = draft.eval()
         self.draft.refresh_embedding(ctx.target.model.embed_tokens.weight, share=True)
@@ -79,6 +158,7 @@ class Eagle3Proposer:
         self.device = ctx.target.device
         self._to_target = draft.draft_to_target
         self._state: dict[int, _State] = {}
+        self.temperature_scale = TemperatureScale(temperature_scale, seed=ctx.seed)
         self._one_layouts: dict[int, PackedLayout] = {}
         self._compiled = self._compiled_start = None
         if ctx.compile:  # the round's passes under torch.compile (specrl.rollout.compiled)
@@ -92,6 +172,10 @@ class Eagle3Proposer:
         if self._compiled is None or self._compiled_start is None:
             return 0
         return self._compiled.graphs + self._compiled_start.graphs
+
+    def stats(self) -> dict[str, Any]:
+        """The draft temperature scale: mode, and per scale its rounds, drafts, acceptance."""
+        return {"temperature_scale": self.temperature_scale.to_dict()}
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self, seq: SeqState) -> None:
@@ -140,10 +224,13 @@ class Eagle3Proposer:
         if taps is None:
             raise RuntimeError("eagle3 proposer needs taps; the engine did not provide them")
         feats = _StepTaps(taps, self.tap_layers)  # [Σ committed, 3·H_target] when first read
-        start, state = 0, self._state
-        for seq, c in zip(batch, committed, strict=True):
+        start, state, scale = 0, self._state, self.temperature_scale
+        for seq, c, n_acc in zip(batch, committed, accepted, strict=True):
+            st = state.get(seq.seq_id)
+            if st is not None and st.drafted:  # its sampled draft was just verified
+                scale.record(st.scale, n_acc, st.drafted)
+                st.drafted = 0
             if c > 0 and seq.finish_reason is None:
-                st = state.get(seq.seq_id)
                 if st is None:
                     st = state[seq.seq_id] = _State()
                 st.pending.append((feats, start, start + c))  # sliced when caught up
@@ -207,11 +294,14 @@ class Eagle3Proposer:
             for b, (s, k) in enumerate(zip(batch, ks, strict=True))
             if k > 0 and s.seq_id in self._state
         ]
+        # one temperature scale for the round's sampled drafts (none drawn for greedy rounds)
+        sampled = any(batch[b].params.temperature > 0 for b in live)
+        scale = self.temperature_scale.pick() if sampled else 1.0
         # compiled passes when every sequence has new taps queued (always after its first
         # verification); otherwise (a sequence the drafter never saw) the eager round below
         pending = all(self._state.get(s.seq_id, _State()).pending for s in batch)
         if self._compiled is not None and live and pending:
-            return self._propose_compiled(batch, ks)
+            return self._drafted(batch, self._propose_compiled(batch, ks, scale), scale)
         self._catch_up([batch[b] for b in live])
         live = [b for b in live if self._state[batch[b].seq_id].h_last is not None]
         if not live:
@@ -222,7 +312,7 @@ class Eagle3Proposer:
         seqs = [batch[b] for b in live]
         steps = [min(ks[b], self.max_k) for b in live]
         greedy = [s.params.temperature <= 0 for s in seqs]
-        temps = self._temperatures(seqs, greedy)
+        temps = self._temperatures(seqs, greedy, scale)
         slots, prefix, t_greedy = _int_tensors(
             [s.slot for s in seqs], [s.kv_len for s in seqs], greedy, device=self.device
         )
@@ -258,9 +348,20 @@ class Eagle3Proposer:
             rows = [q[r : r + 1] for q in qs[: len(out[b].tokens)] if q is not None]
             if rows and batch[b].params.temperature > 0:
                 out[b].probs = rows[0] if len(rows) == 1 else torch.cat(rows)
-        return out
+        return self._drafted(batch, out, scale)
 
-    def _propose_compiled(self, batch: list[SeqState], ks: list[int]) -> list[Draft]:
+    def _drafted(self, batch: list[SeqState], drafts: list[Draft], scale: float) -> list[Draft]:
+        """Note each sampled draft's length and scale: :meth:`observe` values the scale by the
+        tokens its verification accepts."""
+        for s, d in zip(batch, drafts, strict=True):
+            if d.tokens and s.params.temperature > 0:
+                st = self._state[s.seq_id]
+                st.drafted, st.scale = len(d.tokens), scale
+        return drafts
+
+    def _propose_compiled(
+        self, batch: list[SeqState], ks: list[int], scale: float = 1.0
+    ) -> list[Draft]:
         """One drafting round in compiled passes (``ProposerContext.compile``).
 
         Every sequence of the batch takes part, in batch order (the engine's slots 0..B−1),
@@ -310,7 +411,7 @@ class Eagle3Proposer:
             device=self.device,
         )
         t_greedy = t_greedy.bool()
-        temps = self._temperatures(batch, greedy)
+        temps = self._temperatures(batch, greedy, scale)
         sampled = not all(greedy)
         key = (size == 1, slots_are_prefix, sampled)  # the graph class of every pass
         cache = CacheBatch(
@@ -348,9 +449,14 @@ class Eagle3Proposer:
                 d.probs = probs[r, : steps[r]]
         return out
 
-    def _temperatures(self, seqs: list[SeqState], greedy: list[bool]) -> torch.Tensor:
-        """[B] sampling temperatures (1 for greedy rows, whose draws are argmax anyway)."""
-        temps = [1.0 if g else s.params.temperature for s, g in zip(seqs, greedy, strict=True)]
+    def _temperatures(
+        self, seqs: list[SeqState], greedy: list[bool], scale: float = 1.0
+    ) -> torch.Tensor:
+        """[B] draft temperatures: the request's times the round's scale s (1 for greedy rows,
+        whose draws are argmax anyway)."""
+        temps = [
+            1.0 if g else s.params.temperature * scale for s, g in zip(seqs, greedy, strict=True)
+        ]
         return torch.tensor(temps, device=self.device)
 
     def _uniforms(
@@ -461,8 +567,10 @@ def _build(
     draft: Eagle3Draft | None = None,
     path: str | None = None,
     max_k: int = 16,
+    temperature_scale: float | str = "auto",
 ) -> Eagle3Proposer:
-    """An EAGLE-3 proposer from a draft module or a specrl draft directory."""
+    """An EAGLE-3 proposer from a draft module or a specrl draft directory;
+    ``temperature_scale``: "auto" (learned) or a fixed s > 0 (module docstring)."""
     if (draft is None) == (path is None):
         raise CheckpointError(
             "the eagle3 proposer needs exactly one of a draft or a draft path",
@@ -470,4 +578,4 @@ def _build(
         )
     if draft is None:
         draft, _ = load_draft(path, ctx.target, dtype=ctx.target.dtype, share_embedding=True)
-    return Eagle3Proposer(draft, ctx, max_k=max_k)
+    return Eagle3Proposer(draft, ctx, max_k=max_k, temperature_scale=temperature_scale)
