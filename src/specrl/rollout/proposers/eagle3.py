@@ -110,17 +110,20 @@ class TemperatureScale:
             )
         self.bandit = EpsilonGreedy(SCALES, epsilon, seed)  # type: ignore[arg-type]
         self.acceptance = {s: RunningMean(1.0 / ARM_MEMORY) for s in SCALES}
-        self.chosen = {s: 0 for s in SCALES}  # drafting rounds per scale
+        self.chosen = {s: 0 for s in SCALES}  # learned: rounds that drafted sampled tokens
 
     def pick(self) -> float:
         if self.fixed is not None:
             return self.fixed
         acc = self.acceptance
-        scale = self.bandit.choose(
+        return self.bandit.choose(
             {s: m.value for s, m in acc.items()}, {s: m.count for s, m in acc.items()}
         )
-        self.chosen[scale] += 1
-        return scale
+
+    def drafted(self, scale: float) -> None:
+        """A round drafted sampled tokens with ``scale`` (counted for the stats)."""
+        if scale in self.chosen:
+            self.chosen[scale] += 1
 
     def record(self, scale: float, accepted: int, drafted: int) -> None:
         mean = self.acceptance.get(scale)
@@ -353,10 +356,13 @@ class Eagle3Proposer:
     def _drafted(self, batch: list[SeqState], drafts: list[Draft], scale: float) -> list[Draft]:
         """Note each sampled draft's length and scale: :meth:`observe` values the scale by the
         tokens its verification accepts."""
+        noted = False
         for s, d in zip(batch, drafts, strict=True):
             if d.tokens and s.params.temperature > 0:
                 st = self._state[s.seq_id]
-                st.drafted, st.scale = len(d.tokens), scale
+                st.drafted, st.scale, noted = len(d.tokens), scale, True
+        if noted and self.temperature_scale.fixed is None:
+            self.temperature_scale.drafted(scale)
         return drafts
 
     def _propose_compiled(
