@@ -276,7 +276,9 @@ def test_sigterm_finishes_in_flight_requests(tmp_path):
     env = dict(os.environ, SPECRL_UPDATE_TOKEN=TOKEN, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "specrl", "rollout", "serve", "--target", str(checkpoint)]
     proc = subprocess.Popen(
-        [*cmd, "--port", str(port), "--batch-size", "4", "--device", "cpu"],
+        # 2 slots for 6 requests of 500 tokens: three waves, so requests are still running (or
+        # waiting) well after the last one reached the engine, however slowly /health answers
+        [*cmd, "--port", str(port), "--batch-size", "2", "--device", "cpu"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -295,7 +297,7 @@ def test_sigterm_finishes_in_flight_requests(tmp_path):
                 time.sleep(0.2)
 
         def call(i: int) -> httpx.Response:
-            body = {"prompt": f"{i}+1=", "max_tokens": 300, "temperature": 0}
+            body = {"prompt": f"{i}+1=", "max_tokens": 500, "temperature": 0}
             return httpx.post(f"{base}/v1/completions", json=body, timeout=120)
 
         with ThreadPoolExecutor(6) as pool:
@@ -312,7 +314,7 @@ def test_sigterm_finishes_in_flight_requests(tmp_path):
         for r in replies:
             choice = r.json()["choices"][0]
             assert choice["finish_reason"] == "length" and len(choice["text"]) > 0
-            assert r.json()["usage"]["completion_tokens"] == 300
+            assert r.json()["usage"]["completion_tokens"] == 500
         proc.wait(60)
         assert proc.returncode in (0, -signal.SIGTERM)
         with pytest.raises(httpx.TransportError):
