@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from specrl.core.attention import PackedLayout
+from specrl.models import fused
 from specrl.models.decoder import CacheBatch, Transformer
 from specrl.models.draft import DraftConfig, Eagle3Draft, init_draft_weights
-from specrl.models.fused import invalidate
+from specrl.models.fused import FusedWeight, invalidate
 from specrl.models.presets import preset_config
 
 VOCAB = 61
@@ -53,8 +54,10 @@ def _cached_run(model: Transformer, fused: bool) -> list[torch.Tensor]:
     return outs
 
 
+@pytest.mark.parametrize("layout", ["transposed", "rows"])
 @pytest.mark.parametrize("over", list(VARIANTS.values()), ids=list(VARIANTS))
-def test_fused_forward_equals_module_forward_fp64(over):
+def test_fused_forward_equals_module_forward_fp64(over, layout, monkeypatch):
+    monkeypatch.setattr(fused, "CPU_LAYOUT", layout)
     model = _model(**over)
     lens = [1, 7, 3, 12]
     ids = torch.randint(0, VOCAB, (sum(lens),), generator=torch.Generator().manual_seed(1))
@@ -67,6 +70,27 @@ def test_fused_forward_equals_module_forward_fp64(over):
             torch.testing.assert_close(got.taps[layer], ref.taps[layer], rtol=0, atol=1e-12)
         for a, b in zip(_cached_run(model, True), _cached_run(model, False), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_project_layouts_and_terms():
+    """Every combination of bias and residual, on both CPU layouts, equals the module math."""
+    gen = torch.Generator().manual_seed(4)
+    a, b = (torch.randn(n, 6, generator=gen, dtype=torch.float64) for n in (5, 3))
+    bias, x, res = (torch.randn(s, generator=gen, dtype=torch.float64) for s in (8, (4, 6), (4, 8)))
+    ref = x @ torch.cat([a, b]).T
+    fw = FusedWeight()
+    for layout in ("transposed", "rows", "transposed"):  # switching rebuilds the copy
+        fused.CPU_LAYOUT = layout
+        try:
+            w = fw.get(a, b)
+            assert w.shape == ((6, 8) if layout == "transposed" else (8, 6))
+            assert w.is_contiguous()
+            for bias_, res_ in ((None, None), (bias, None), (None, res), (bias, res)):
+                want = ref + (0 if bias_ is None else bias_) + (0 if res_ is None else res_)
+                got = fw.project(x, a, b, bias=bias_, residual=res_)
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        finally:
+            fused.CPU_LAYOUT = "transposed"
 
 
 def test_fused_forward_needs_no_grad():

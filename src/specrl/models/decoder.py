@@ -118,7 +118,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         # context-parallel ring of packed training forwards (zigzag-local ``layout``); None: local
         self.cp: CPContext | None = None
-        self._qkv_weight, self._qkv_bias = FusedWeight(), FusedWeight()
+        self._qkv_weight, self._qkv_bias, self._o = FusedWeight(), FusedWeight(), FusedWeight()
 
     def forward(
         self,
@@ -147,14 +147,16 @@ class Attention(nn.Module):
         layout: PackedLayout,
         cache: CacheView | None = None,
         backend: str = "sdpa",
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """:meth:`forward` for inference: one fused q|k|v projection and one RoPE pass over q
-        and k (:mod:`specrl.models.fused`); same math, no autograd."""
+        """:meth:`forward` for inference: one fused q|k|v projection, one RoPE pass over q and
+        k, o_proj with ``residual`` added in its GEMM (:mod:`specrl.models.fused`); same math,
+        no autograd."""
         t, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qp, kp, vp = self.q_proj, self.k_proj, self.v_proj
-        weight = self._qkv_weight.get(qp.weight, kp.weight, vp.weight)
         bias = None if qp.bias is None else self._qkv_bias.get(qp.bias, kp.bias, vp.bias)
-        heads = F.linear(x, weight, bias).view(t, hq + 2 * hkv, self.head_dim)
+        heads = self._qkv_weight.project(x, qp.weight, kp.weight, vp.weight, bias=bias)
+        heads = heads.view(t, hq + 2 * hkv, self.head_dim)
         if self.q_norm is None:
             q, k, v = rope_heads(heads, hq, hkv, cos, sin)
         else:  # per-head norms first (Qwen3), then RoPE on each
@@ -162,7 +164,8 @@ class Attention(nn.Module):
             k = apply_rope(self.k_norm.forward(heads[:, hq : hq + hkv]), cos, sin)
             v = heads[:, hq + hkv :]
         o = attention(q, k, v, layout, cache=cache, backend=backend, window=self.window, cp=self.cp)
-        return F.linear(o.reshape(t, hq * self.head_dim), self.o_proj.weight)
+        o = o.reshape(t, hq * self.head_dim)
+        return self._o.project(o, self.o_proj.weight, residual=residual)
 
 
 class MLP(nn.Module):
@@ -171,17 +174,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self._gate_up = FusedWeight()
+        self._gate_up, self._down = FusedWeight(), FusedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def infer(self, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` with one fused gate|up projection (inference, no autograd)."""
-        gate, up = F.linear(x, self._gate_up.get(self.gate_proj.weight, self.up_proj.weight)).chunk(
+    def infer(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward` with one fused gate|up projection and ``residual`` added in the
+        down projection's GEMM (inference, no autograd)."""
+        gate, up = self._gate_up.project(x, self.gate_proj.weight, self.up_proj.weight).chunk(
             2, dim=-1
         )
-        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+        return self._down.project(F.silu(gate).mul_(up), self.down_proj.weight, residual=residual)
 
 
 class DecoderLayer(nn.Module):
@@ -200,8 +204,8 @@ class DecoderLayer(nn.Module):
         """:meth:`forward` on the fused inference path, calling the submodules' code directly
         (no module hooks: the engine's models are plain, unwrapped modules)."""
         y = self.input_layernorm.forward(x)
-        x = x + self.self_attn.infer(y, cos, sin, layout, cache, backend)
-        return x + self.mlp.infer(self.post_attention_layernorm.forward(x))
+        x = self.self_attn.infer(y, cos, sin, layout, cache, backend, residual=x)
+        return self.mlp.infer(self.post_attention_layernorm.forward(x), residual=x)
 
 
 class DecoderBody(nn.Module):
@@ -310,6 +314,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config)
         self.attn_backend = "sdpa"
+        self._lm_head = FusedWeight()  # the fused inference path's copy (specrl.models.fused)
 
     # -------------------------------------------------------------- construction helpers
     def init_weights(self, seed: int = 0, std: float = 0.02) -> Transformer:
@@ -355,10 +360,14 @@ class Transformer(nn.Module):
         assert self.model.embed_tokens is not None, "this pipeline stage has no embedding"
         return self.model.embed_tokens(input_ids)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-norm'd hidden → float32 logits (float64 for float64 models)."""
+    def compute_logits(self, hidden: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """Final-norm'd hidden → float32 logits (float64 for float64 models); ``fused``: through
+        the inference copy of the weight (:mod:`specrl.models.fused`, no autograd)."""
         assert self.lm_head is not None, "this pipeline stage has no lm_head"
-        logits = self.lm_head(hidden)
+        if fused:
+            logits = self._lm_head.project(hidden, self.lm_head.weight)
+        else:
+            logits = self.lm_head(hidden)
         return logits if logits.dtype == torch.float64 else logits.float()
 
     def forward(
@@ -397,8 +406,8 @@ class Transformer(nn.Module):
             raise ValueError(f"tap layers {sorted(missing)} are not in this model/stage")
         out_logits = None
         if self.model.norm is not None:
-            h = self.model.norm(h)
+            h = self.model.norm.forward(h) if fused else self.model.norm(h)
             if logits and self.lm_head is not None:
                 rows = h if logits_index is None else h[logits_index]
-                out_logits = self.compute_logits(rows)
+                out_logits = self.compute_logits(rows, fused=fused)
         return ModelOutput(hidden=h, logits=out_logits, taps=tapped)

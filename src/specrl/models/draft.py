@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specrl.core.attention import PackedLayout, attention, dense_attention
@@ -170,15 +169,15 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        self._qkv_weight = FusedWeight()
+        self._qkv_weight, self._o = FusedWeight(), FusedWeight()
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False):
         """q, k (RoPE applied), v; ``fused``: one q|k|v projection (inference, no autograd)."""
         t = x.shape[0]
         if fused:
             projs = (self.q_proj, self.k_proj, self.v_proj)
-            weight = self._qkv_weight.get(*(p.weight for p in projs))
-            heads = F.linear(x, weight).view(t, self.num_heads + 2 * self.num_kv_heads, -1)
+            heads = self._qkv_weight.project(x, *(p.weight for p in projs))
+            heads = heads.view(t, self.num_heads + 2 * self.num_kv_heads, -1)
             return rope_heads(heads, self.num_heads, self.num_kv_heads, cos, sin)
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -202,11 +201,15 @@ class DraftLayer(nn.Module):
         self, feat: torch.Tensor, attn_out: torch.Tensor, fused: bool = False
     ) -> torch.Tensor:
         """Residual (the un-normed feature) + o_proj, then the MLP block → pre-norm h [T, H];
-        ``fused``: one gate|up projection (inference, no autograd)."""
+        ``fused``: the inference projections (:mod:`specrl.models.fused`: one gate|up
+        projection, residuals added in the GEMMs; no autograd)."""
         t = attn_out.shape[0]
+        if fused:
+            attn = self.self_attn
+            h = attn._o.project(attn_out.reshape(t, -1), attn.o_proj.weight, residual=feat)
+            return self.mlp.infer(self.post_attention_layernorm.forward(h), residual=h)
         h = feat + self.self_attn.o_proj(attn_out.reshape(t, -1))
-        mlp = self.mlp.infer if fused else self.mlp
-        return h + mlp(self.post_attention_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 @dataclass
