@@ -27,8 +27,14 @@ from specrl.models.presets import preset_config
 
 SHAPES = {
     "toy-small": dict(preset="toy-small"),
-    "h512-l8": dict(preset="toy-small", hidden_size=512, intermediate_size=1536,
-                    num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4),
+    "h512-l8": dict(
+        preset="toy-small",
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ),
 }
 
 
@@ -52,8 +58,12 @@ def bench(shape: str, batch: int, prompt_len: int, new_tokens: int, repeats: int
     def run_theirs():
         with torch.no_grad():
             out = theirs.generate(
-                prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
             )
         return out[:, prompt_len:].tolist()
 
@@ -70,10 +80,15 @@ def bench(shape: str, batch: int, prompt_len: int, new_tokens: int, repeats: int
     ours_tps = toks / statistics.median(t_ours)
     theirs_tps = toks / statistics.median(t_theirs)
     return {
-        "shape": shape, "params_m": round(cfg.num_params / 1e6, 2), "batch": batch,
-        "prompt_len": prompt_len, "new_tokens": new_tokens,
-        "specrl_tok_s": round(ours_tps, 1), "transformers_tok_s": round(theirs_tps, 1),
-        "speedup": round(ours_tps / theirs_tps, 2), "same_tokens": same,
+        "shape": shape,
+        "params_m": round(cfg.num_params / 1e6, 2),
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "specrl_tok_s": round(ours_tps, 1),
+        "transformers_tok_s": round(theirs_tps, 1),
+        "speedup": round(ours_tps / theirs_tps, 2),
+        "same_tokens": same,
     }
 
 
@@ -82,8 +97,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/decode.json")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (1: stable timings on shared machines)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: stable timings on shared machines)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -105,8 +124,9 @@ def main() -> None:
         table.add_row(*(str(v) for v in r.values()))
     Console().print(table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "threads": torch.get_num_threads()},
-                                         indent=2) + "\n")
+    Path(args.out).write_text(
+        json.dumps({"rows": rows, "threads": torch.get_num_threads()}, indent=2) + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -195,8 +195,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (1: stable timings on shared machines)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: stable timings on shared machines)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

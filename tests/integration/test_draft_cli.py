@@ -19,8 +19,19 @@ FAST = ["--prompts", "8", "--eval-prompts", "4", "--max-new-tokens", "12", "--dr
 @pytest.fixture(scope="module")
 def draft_dir(tiny_target, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("draft") / "d"
-    proc = run_cli("--json", "init-draft", "--target", str(tiny_target), "--out", str(out),
-                   *FAST, "--steps", "2", "--ttt-steps", "2")
+    proc = run_cli(
+        "--json",
+        "init-draft",
+        "--target",
+        str(tiny_target),
+        "--out",
+        str(out),
+        *FAST,
+        "--steps",
+        "2",
+        "--ttt-steps",
+        "2",
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["draft_vocab"] == 24 and summary["warmup_steps"] == 2
@@ -34,16 +45,36 @@ def draft_dir(tiny_target, tmp_path_factory) -> Path:
 
 def test_export_verify_and_reimport(draft_dir, tiny_target, tmp_path):
     exp = tmp_path / "export"
-    proc = run_cli("--json", "export-draft", "--draft", str(draft_dir), "--out", str(exp),
-                   "--format", "vllm", "--dtype", "bf16", "--verify")
+    proc = run_cli(
+        "--json",
+        "export-draft",
+        "--draft",
+        str(draft_dir),
+        "--out",
+        str(exp),
+        "--format",
+        "vllm",
+        "--dtype",
+        "bf16",
+        "--verify",
+    )
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)
     assert res["verify_ok"] is True
     assert res["aux_layer_ids"] == [i + 1 for i in res["specrl_tap_layers"]]
     assert json.loads((exp / "config.json").read_text())["torch_dtype"] == "bfloat16"
     again = tmp_path / "again"
-    proc = run_cli("--json", "init-draft", "--target", str(tiny_target), "--out", str(again),
-                   *FAST, "--from-eagle3", str(exp))
+    proc = run_cli(
+        "--json",
+        "init-draft",
+        "--target",
+        str(tiny_target),
+        "--out",
+        str(again),
+        *FAST,
+        "--from-eagle3",
+        str(exp),
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["vocab_source"].startswith("imported from")
 
@@ -70,11 +101,27 @@ def test_checkpoint_errors_are_one_line(tiny_target, tmp_path):
 
 
 def test_guards_are_one_line(tiny_target, draft_dir, tmp_path):
-    proc = run_cli("init-draft", "--target", str(tiny_target), "--out", str(tmp_path / "o"),
-                   *FAST[:6], "--tap-layers", "0,1,9")
+    proc = run_cli(
+        "init-draft",
+        "--target",
+        str(tiny_target),
+        "--out",
+        str(tmp_path / "o"),
+        *FAST[:6],
+        "--tap-layers",
+        "0,1,9",
+    )
     _assert_one_line_error(proc, "tap layers [9] out of range")
-    proc = run_cli("init-draft", "--target", str(tiny_target), "--out", str(tmp_path / "o"),
-                   *FAST[:6], "--draft-vocab", "100000")
+    proc = run_cli(
+        "init-draft",
+        "--target",
+        str(tiny_target),
+        "--out",
+        str(tmp_path / "o"),
+        *FAST[:6],
+        "--draft-vocab",
+        "100000",
+    )
     _assert_one_line_error(proc, "--draft-vocab 100000")
     proc = run_cli("export-draft", "--draft", str(tiny_target), "--out", str(tmp_path / "x"))
     _assert_one_line_error(proc, "not a specrl draft")

@@ -49,13 +49,25 @@ def test_single_process_run(first_run):
     recs = _records(run)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     for r in recs:
-        for key in ("reward", "accuracy", "tau", "per_position_acceptance", "draft_loss",
-                    "draft_sim_tau", "policy_loss", "rollout_tokens_per_s", "time_rollout",
-                    "time_policy_update", "time_draft_update", "time_sync"):
+        for key in (
+            "reward",
+            "accuracy",
+            "tau",
+            "per_position_acceptance",
+            "draft_loss",
+            "draft_sim_tau",
+            "policy_loss",
+            "rollout_tokens_per_s",
+            "time_rollout",
+            "time_policy_update",
+            "time_draft_update",
+            "time_sync",
+        ):
             assert key in r, key
         assert r["tau"] is None or r["tau"] >= 1.0  # None: the gate kept that step plain
-        assert set(r["drafter_selections"]) <= {f"{p}/k={k}" for p in ("eagle3", "ngram")
-                                               for k in (1, 2, 3)}
+        assert set(r["drafter_selections"]) <= {
+            f"{p}/k={k}" for p in ("eagle3", "ngram") for k in (1, 2, 3)
+        }
     assert any(r["tau"] is not None for r in recs)
     # draft warm-up (default 10 updates, 2 per step here): the learning rate ramps up to draft.lr
     lrs = [r["draft_lr"] for r in recs]
@@ -65,8 +77,12 @@ def test_single_process_run(first_run):
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert latest == "step-000004"
     step_dir = run / "checkpoints" / latest
-    assert {p.name for p in step_dir.iterdir()} >= {"policy", "draft", "rank0.safetensors",
-                                                    "rank0.json"}
+    assert {p.name for p in step_dir.iterdir()} >= {
+        "policy",
+        "draft",
+        "rank0.safetensors",
+        "rank0.json",
+    }
     assert not list(step_dir.rglob("*.pt")) and not list(step_dir.rglob("*.bin"))
 
 
@@ -74,8 +90,19 @@ def test_cotrain_with_ngram_only_engine(first_run, tmp_path):
     """A co-trained draft that no proposer uses (n-gram only) trains but is not synced."""
     _, sets = first_run
     run = tmp_path / "ngram-only"
-    proc = run_cli("train", RECIPE, *sets, "--set", "train.steps=2", "--set", "checkpoint.every=0",
-                   "--set", "rollout.speculation.proposers=[ngram]", "--set", f"run.out_dir={run}")
+    proc = run_cli(
+        "train",
+        RECIPE,
+        *sets,
+        "--set",
+        "train.steps=2",
+        "--set",
+        "checkpoint.every=0",
+        "--set",
+        "rollout.speculation.proposers=[ngram]",
+        "--set",
+        f"run.out_dir={run}",
+    )
     assert proc.returncode == 0, proc.stderr
     recs = _records(run)
     assert [r["step"] for r in recs] == [1, 2]
@@ -87,8 +114,19 @@ def test_frozen_sibling_run_gets_a_comparison_plot(first_run):
     """A/B of draft modes: a frozen run next to the co-trained one plots both on shared axes."""
     base, sets = first_run
     run = base / "run-frozen"
-    proc = run_cli("train", RECIPE, *sets, "--set", "train.steps=2", "--set", "checkpoint.every=0",
-                   "--set", "draft.mode=frozen", "--set", f"run.out_dir={run}")
+    proc = run_cli(
+        "train",
+        RECIPE,
+        *sets,
+        "--set",
+        "train.steps=2",
+        "--set",
+        "checkpoint.every=0",
+        "--set",
+        "draft.mode=frozen",
+        "--set",
+        f"run.out_dir={run}",
+    )
     assert proc.returncode == 0, proc.stderr
     assert (run / "compare.png").stat().st_size > 0
     assert not list(run.glob(".compare*"))  # written through a temp file, renamed
@@ -102,9 +140,21 @@ def test_kill_and_resume_reproduces_metrics(first_run):
     run = base / "killed"
     env = {**os.environ, "COLUMNS": "200"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "specrl", "train", RECIPE, *sets, *steps,
-         "--set", f"run.out_dir={run}"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "specrl",
+            "train",
+            RECIPE,
+            *sets,
+            *steps,
+            "--set",
+            f"run.out_dir={run}",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.time() + 300
     metrics = run / "metrics.jsonl"
@@ -124,9 +174,24 @@ def test_sigterm_saves_and_exits(first_run):
     base, sets = first_run
     run = base / "term"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "specrl", "train", RECIPE, *sets, "--set", "train.steps=50",
-         "--set", "checkpoint.every=0", "--set", f"run.out_dir={run}"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "specrl",
+            "train",
+            RECIPE,
+            *sets,
+            "--set",
+            "train.steps=50",
+            "--set",
+            "checkpoint.every=0",
+            "--set",
+            f"run.out_dir={run}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 300
@@ -142,9 +207,23 @@ def test_sigterm_saves_and_exits(first_run):
 def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     """``specrl train`` under torchrun with ``nproc`` processes (one thread each)."""
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(nproc), "-m", "specrl", "train", RECIPE, *args],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "-m",
+            "specrl",
+            "train",
+            RECIPE,
+            *args,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"},
     )
 
@@ -225,8 +304,11 @@ def test_torchrun_pp2_resume_reproduces_metrics(first_run, pp2_run):
     ("layout", "tied", "needle"),
     [
         (["parallel.cp=3"], False, "dp × cp × pp = 1 × 3 × 1 = 3 does not match the world size 2"),
-        (["parallel.pp=2", "parallel.virtual_stages=2", "parallel.pp_schedule=interleaved-1f1b"],
-         False, "2 decoder layers cannot fill pp × virtual_stages = 2 × 2 = 4 pipeline stages"),
+        (
+            ["parallel.pp=2", "parallel.virtual_stages=2", "parallel.pp_schedule=interleaved-1f1b"],
+            False,
+            "2 decoder layers cannot fill pp × virtual_stages = 2 × 2 = 4 pipeline stages",
+        ),
         (["parallel.pp=2"], True, "tied input/output embeddings"),
     ],
     ids=["cp3-on-2", "stages-over-layers", "tied-pp2"],
@@ -253,10 +335,11 @@ def test_torchrun_bad_layouts(first_run, tmp_path, layout, tied, needle):
     [
         (["--set", "rollout.nn=4"], ["unknown key 'rollout.nn'"]),
         (["--set", "parallel.dp=3"], ["dp × cp × pp = 3 × 1 × 1 = 3", "world size 1"]),
-        (["--set", "task.name=jsonl", "--set", "task.path=/nonexistent.jsonl"],
-         ["does not exist"]),
-        (["--set", "policy.warmstart=null", "--set", "policy.path=/nonexistent"],
-         ["holds no checkpoint"]),
+        (["--set", "task.name=jsonl", "--set", "task.path=/nonexistent.jsonl"], ["does not exist"]),
+        (
+            ["--set", "policy.warmstart=null", "--set", "policy.path=/nonexistent"],
+            ["holds no checkpoint"],
+        ),
     ],
     ids=["unknown-key", "layout", "missing-data", "missing-policy"],
 )
@@ -268,11 +351,27 @@ def test_bad_recipes(sets, needles, tmp_path):
 def test_draft_target_mismatch(first_run, tmp_path):
     base, _ = first_run
     other = tmp_path / "other-target"
-    proc = run_cli("warm-start", RECIPE, "--out", str(other), "--set",
-                   "policy.warmstart.preset=toy-small", "--set", "policy.warmstart.steps=1",
-                   "--set", f"run.out_dir={tmp_path / 'ws'}")
+    proc = run_cli(
+        "warm-start",
+        RECIPE,
+        "--out",
+        str(other),
+        "--set",
+        "policy.warmstart.preset=toy-small",
+        "--set",
+        "policy.warmstart.steps=1",
+        "--set",
+        f"run.out_dir={tmp_path / 'ws'}",
+    )
     assert proc.returncode == 0, proc.stderr
-    proc = run_cli("train", RECIPE, "--set", f"policy.path={other}",
-                   "--set", f"draft.path={base / 'draft'}", "--set",
-                   f"run.out_dir={tmp_path / 'r'}")
+    proc = run_cli(
+        "train",
+        RECIPE,
+        "--set",
+        f"policy.path={other}",
+        "--set",
+        f"draft.path={base / 'draft'}",
+        "--set",
+        f"run.out_dir={tmp_path / 'r'}",
+    )
     _assert_one_line_error(proc, "hidden size")

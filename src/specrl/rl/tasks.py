@@ -201,7 +201,12 @@ def build_task(
 def task_from_config(cfg) -> Task:
     """A task from a recipe's ``task`` section (:class:`specrl.config.schema.TaskConfig`)."""
     return build_task(
-        cfg.name, min_digits=cfg.min_digits, max_digits=cfg.max_digits, path=cfg.path,
-        verifier=cfg.verifier, pattern=cfg.pattern, prompt_field=cfg.prompt_field,
+        cfg.name,
+        min_digits=cfg.min_digits,
+        max_digits=cfg.max_digits,
+        path=cfg.path,
+        verifier=cfg.verifier,
+        pattern=cfg.pattern,
+        prompt_field=cfg.prompt_field,
         answer_field=cfg.answer_field,
     )
