@@ -283,6 +283,27 @@ def test_logprobs_are_the_processed_and_the_raw_policy_distributions():
         torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), sampled)
 
 
+def test_sampling_tensors_are_reused_only_for_the_same_parameters_and_rows():
+    """A launch reuses the previous launch's RowParams only for the same parameter objects
+    with the same rows each; anything else rebuilds them (and they match a fresh build)."""
+    engine = make_engine(tiny())
+    a, b = SamplingParams(max_tokens=4, temperature=0.7), SamplingParams(max_tokens=4, top_k=3)
+    first = engine._row_params_of([a, b], [1, 3])
+    assert engine._row_params_of([a, b], [1, 3]) is first
+    equal = SamplingParams(max_tokens=4, temperature=0.7)  # equal, but another request's
+    for params, rows in (([a, b], [1, 2]), ([b, a], [3, 1]), ([equal, b], [1, 3]), ([a], [1])):
+        got = engine._row_params_of(params, rows)
+        assert got is not first
+        want = RowParams.build(params, rows, "cpu")
+        for name in ("temperature", "top_k", "top_p", "greedy"):
+            assert torch.equal(getattr(got, name), getattr(want, name))
+        assert (got.all_greedy, got.any_greedy, got.any_filter) == (
+            want.all_greedy,
+            want.any_greedy,
+            want.any_filter,
+        )
+
+
 def test_greedy_logprobs_are_zero_under_the_one_hot_distribution():
     out = run(make_engine(tiny()), PROMPTS[:1], greedy(8))[0]
     assert out.logprobs == [0.0] * 8

@@ -270,6 +270,8 @@ class RolloutEngine:
         self._finished = 0
         self._spec = SpecStats()
         self._by_proposer = {name: SpecStats() for name in self.proposers}
+        # the last launch's sampling tensors (_row_params_of): parameter objects, rows, tensors
+        self._row_params: tuple[list[SamplingParams], list[int], RowParams] | None = None
 
     # ---------------------------------------------------------------------- requests
     def add_requests(self, requests: Sequence[Request]) -> list[str]:
@@ -604,10 +606,25 @@ class RolloutEngine:
         t["padded"] = padded
         if padded:  # flags from the block's shape only: no new graph when prefixes align
             t["full_rows"] = len(fed) == 1 and width == 1
-        t["params"] = RowParams.build([s.params for s in launch.seqs], launch.num_rows, self.device)
+        t["params"] = self._row_params_of([s.params for s in launch.seqs], launch.num_rows)
         t["uniforms"] = self._uniforms(launch)
         if any(d.probs is not None for d in launch.drafts):
             t["draft_probs"] = self._draft_probs(launch.drafts)  # [R, V]
+
+    def _row_params_of(self, params: list[SamplingParams], rows: list[int]) -> RowParams:
+        """The launch's :class:`RowParams`: the previous launch's tensors when it had the same
+        (frozen) parameter objects with the same rows each, as most decode steps do."""
+        last = self._row_params
+        if (
+            last is not None
+            and last[1] == rows
+            and len(last[0]) == len(params)
+            and all(a is b for a, b in zip(last[0], params, strict=True))
+        ):
+            return last[2]
+        built = RowParams.build(params, rows, self.device)
+        self._row_params = (params, list(rows), built)
+        return built
 
     def _draft_probs(self, drafts: list[Draft]) -> torch.Tensor:
         """[R, V] q of every verified row, sequences packed as the logit rows: a draft's probs,

@@ -90,7 +90,7 @@ def emitted_logprobs(
     Entries past a sequence's emitted tokens are meaningless (padding).
     """
     sampled = probs[row_index, tokens].log()  # [B, K+1]
-    policy = logits[row_index, tokens] - torch.logsumexp(logits, dim=-1)[row_index]  # [B, K+1]
+    policy = torch.log_softmax(logits, dim=-1)[row_index, tokens]  # [B, K+1]; one native op
     return sampled, policy
 
 
