@@ -16,6 +16,11 @@ token per sequence, then the draft logits).  The two layouts take turns within e
 alternating order (the machine's drift hits both); per case the median over rounds of each
 round's median µs, one torch thread, thread CPU time.
 
+Then the whole eager plain engine (``RolloutEngine``, no proposers) under each layout: the
+rollout benchmark's workload (P = max(B, 8) addition prompts, one sample each at temperature 1,
+≤ 64 tokens), the layouts alternating run by run in alternating order, ``--engine-repeats``
+pairs; tok/s per thread-CPU second (medians) and the median of the per-pair ratios.
+
     python -m benchmarks.fused_projections --targets runs/toy/target runs/toy-deep/target \\
         --drafts runs/toy/draft runs/toy-deep/draft
 
@@ -34,11 +39,14 @@ from pathlib import Path
 import torch
 
 from benchmarks.engine_paths import markdown, render
+from benchmarks.rollout import prompt_set
 from specrl.core.attention import PackedLayout
 from specrl.models import fused
-from specrl.models.checkpoint import load_model
+from specrl.models.checkpoint import load_model, load_tokenizer
 from specrl.models.decoder import CacheBatch, Transformer
 from specrl.models.draft_io import load_draft
+from specrl.models.tokenizer import TextCodec
+from specrl.rollout import Request, RolloutEngine, SamplingParams
 
 LAYOUTS = ("rows", "transposed")
 CONTEXT = 40
@@ -110,6 +118,52 @@ def compare(call: Callable[[], object], rounds: int, calls: int) -> dict[str, fl
     return {k: statistics.median(v) for k, v in per_round.items()}
 
 
+def engine_run(engine: RolloutEngine, codec: TextCodec, layout: str, seed: int) -> float:
+    """One run of the workload under ``layout``; tok/s per thread-CPU second."""
+    fused.CPU_LAYOUT = layout
+    engine.generate([Request([1, 5], SamplingParams(2, 1.0, seed=0))])  # rebuilds the copies
+    prompts = prompt_set(codec, max(engine.max_batch_size, 8), seed)
+    reqs = [
+        Request(q, SamplingParams(64, 1.0, seed=seed * 1000 + i)) for i, q in enumerate(prompts)
+    ]
+    t0 = time.thread_time()
+    out = engine.generate(reqs)
+    return sum(len(r.tokens) for r in out) / (time.thread_time() - t0)
+
+
+def engine_rows(target: Path, batches: list[int], repeats: int) -> list[dict]:
+    """The eager plain engine's tok/s under each layout, alternating run by run."""
+    model = load_model(target).eval()
+    cfg = model.config
+    codec = TextCodec(load_tokenizer(target), cfg.bos_token_id, cfg.eos_token_id)
+    rows = []
+    saved = fused.CPU_LAYOUT
+    try:
+        for b in batches:
+            engine = RolloutEngine(model, codec=codec, max_batch_size=b, seed=0)
+            for layout in LAYOUTS:  # warm-up
+                engine_run(engine, codec, layout, 1)
+            tok_s: dict[str, list[float]] = {k: [] for k in LAYOUTS}
+            for r in range(repeats):
+                for layout in LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]:
+                    tok_s[layout].append(engine_run(engine, codec, layout, 100 + r))
+            ratios = [t / r for t, r in zip(tok_s["transposed"], tok_s["rows"], strict=True)]
+            rows.append(
+                {
+                    "target": target.parent.name,
+                    "batch": b,
+                    "rows tok/s": round(statistics.median(tok_s["rows"]), 1),
+                    "transposed tok/s": round(statistics.median(tok_s["transposed"]), 1),
+                    "transposed / rows": round(statistics.median(ratios), 3),
+                    "pairs": repeats,
+                }
+            )
+            print(rows[-1], flush=True)
+    finally:
+        fused.CPU_LAYOUT = saved
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--targets", type=Path, nargs="+", default=[Path("runs/toy-deep/target")])
@@ -117,6 +171,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--engine-batches", default="1", help="'' skips the engine measurement")
+    ap.add_argument("--engine-repeats", type=int, default=15)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/fused_projections.json"))
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
@@ -145,23 +201,34 @@ def main() -> None:
                 }
             )
             print(rows[-1], flush=True)
+    engine = []
+    if args.engine_batches:
+        eb = [int(b) for b in args.engine_batches.split(",")]
+        for target in args.targets:
+            engine += engine_rows(target, eb, args.engine_repeats)
     render(rows, "eager inference projections: weight-copy layout on CPU (µs per call)")
+    if engine:
+        render(engine, "eager plain engine: weight-copy layout on CPU (tok/s)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
     meta = {
         "command": "python -m benchmarks.fused_projections --targets "
         + " ".join(map(str, args.targets))
         + (" --drafts " + " ".join(map(str, args.drafts)) if args.drafts else "")
-        + f" --batches {args.batches} --rounds {args.rounds} --calls {args.calls}",
+        + f" --batches {args.batches} --rounds {args.rounds} --calls {args.calls}"
+        + f" --engine-batches '{args.engine_batches}' --engine-repeats {args.engine_repeats}",
         "torch": torch.__version__,
         "threads": 1,
         "clock": "thread cpu",
         "context": CONTEXT,
     }
-    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    tmp.write_text(json.dumps({"meta": meta, "rows": rows, "engine": engine}, indent=1))
     tmp.replace(args.out)
     if args.markdown:
         print(markdown(rows))
+        if engine:
+            print()
+            print(markdown(engine))
 
 
 if __name__ == "__main__":
