@@ -70,7 +70,7 @@ class FusedWeight:
     ) -> torch.Tensor:
         """``residual + x @ cat(weights)ᵀ + bias`` (each term optional), one GEMM call."""
         w = self.get(*weights)
-        if not _transposed(w.device):
+        if not self._key[0]:  # the layout get() just built (or found) the copy in
             y = F.linear(x, w, bias)
             return y if residual is None else residual + y
         if residual is not None:
