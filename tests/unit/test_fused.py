@@ -141,6 +141,35 @@ def test_fused_copies_follow_every_in_place_weight_change():
     _assert_fresh(model)
 
 
+def test_fused_plan_follows_replaced_modules_parameters_and_layout():
+    """A replaced weight or module (no version counter moves) and a layout switch rebuild the
+    decoder's plan; a forward with nothing changed reuses it."""
+    model = _model()
+    _assert_fresh(model)
+    plan = model._plan
+    copies = plan.layers(model)
+    assert plan.layers(model) is copies  # nothing changed: no rebuild
+    other = _model()
+    other.init_weights(5, std=0.2)
+    model.load_state_dict(other.double().state_dict(), assign=True)  # new Parameter objects
+    _assert_fresh(model)
+    model.layer(1).mlp.down_proj = torch.nn.Linear(128, 64, bias=False).double()  # module surgery
+    _assert_fresh(model)
+    model.layer(0).self_attn.q_proj.weight = torch.nn.Parameter(
+        torch.randn_like(model.layer(0).self_attn.q_proj.weight)
+    )
+    _assert_fresh(model)
+    built = plan.layers(model)
+    for layout in ("rows", "transposed"):
+        fused.CPU_LAYOUT = layout
+        try:
+            assert plan.layers(model)[0].transposed == (layout == "transposed")
+            _assert_fresh(model)
+        finally:
+            fused.CPU_LAYOUT = "transposed"
+    assert plan.layers(model) is not built
+
+
 def test_writes_through_data_need_invalidate():
     """``.data`` bypasses version counters (documented contract): stale until invalidated."""
     model = _model()

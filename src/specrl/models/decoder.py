@@ -32,7 +32,7 @@ from torch import nn
 from specrl.core.attention import CacheView, CPContext, PackedLayout, attention
 from specrl.core.attention.kernels import cache_mask, cache_rows
 from specrl.models.config import ModelConfig
-from specrl.models.fused import FusedWeight
+from specrl.models.fused import DecoderPlan, FusedWeight, LayerCopies, project
 
 
 class RMSNorm(nn.Module):
@@ -118,7 +118,6 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         # context-parallel ring of packed training forwards (zigzag-local ``layout``); None: local
         self.cp: CPContext | None = None
-        self._qkv_weight, self._qkv_bias, self._o = FusedWeight(), FusedWeight(), FusedWeight()
 
     def forward(
         self,
@@ -138,34 +137,6 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attention(q, k, v, layout, cache=cache, backend=backend, window=self.window, cp=self.cp)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
-
-    def infer(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        layout: PackedLayout,
-        cache: CacheView | None = None,
-        backend: str = "sdpa",
-        residual: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """:meth:`forward` for inference: one fused q|k|v projection, one RoPE pass over q and
-        k, o_proj with ``residual`` added in its GEMM (:mod:`specrl.models.fused`); same math,
-        no autograd."""
-        t, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
-        qp, kp, vp = self.q_proj, self.k_proj, self.v_proj
-        bias = None if qp.bias is None else self._qkv_bias.get(qp.bias, kp.bias, vp.bias)
-        heads = self._qkv_weight.project(x, qp.weight, kp.weight, vp.weight, bias=bias)
-        heads = heads.view(t, hq + 2 * hkv, self.head_dim)
-        if self.q_norm is None:
-            q, k, v = rope_heads(heads, hq, hkv, cos, sin)
-        else:  # per-head norms first (Qwen3), then RoPE on each
-            q = apply_rope(self.q_norm.forward(heads[:, :hq]), cos, sin)
-            k = apply_rope(self.k_norm.forward(heads[:, hq : hq + hkv]), cos, sin)
-            v = heads[:, hq + hkv :]
-        o = attention(q, k, v, layout, cache=cache, backend=backend, window=self.window, cp=self.cp)
-        o = o.reshape(t, hq * self.head_dim)
-        return self._o.project(o, self.o_proj.weight, residual=residual)
 
 
 class MLP(nn.Module):
@@ -200,12 +171,36 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, cache, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def infer(self, x, cos, sin, layout, cache=None, backend="sdpa"):
-        """:meth:`forward` on the fused inference path, calling the submodules' code directly
-        (no module hooks: the engine's models are plain, unwrapped modules)."""
-        y = self.input_layernorm.forward(x)
-        x = self.self_attn.infer(y, cos, sin, layout, cache, backend, residual=x)
-        return self.mlp.infer(self.post_attention_layernorm.forward(x), residual=x)
+
+def infer_layer(
+    c: LayerCopies,
+    x: torch.Tensor,  # [T, H]
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layout: PackedLayout,
+    cache: CacheView | None,
+    backend: str,
+) -> torch.Tensor:
+    """:meth:`DecoderLayer.forward` on the fused inference path (:mod:`specrl.models.fused`):
+    one q|k|v projection, one RoPE pass over q and k, o_proj and down_proj with their residual
+    added in the GEMM, gate|up as one projection; every weight from the layer's resolved
+    :class:`LayerCopies` (same math, no autograd, no module lookups)."""
+    (ln1, ln2, (w1, w2), norm_dtype, eps, qkv, qkv_bias, o_w, gate_up, down, attn, inter, tr) = c
+    t, hq, hkv, d = x.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
+    fast_norm = x.dtype == norm_dtype
+    y = F.rms_norm(x, w1.shape, w1, eps) if fast_norm else ln1.forward(x)
+    heads = project(y, qkv, qkv_bias, None, tr).view(t, hq + 2 * hkv, d)
+    if attn.q_norm is None:
+        q, k, v = rope_heads(heads, hq, hkv, cos, sin)
+    else:  # per-head norms first (Qwen3), then RoPE on each
+        q = apply_rope(attn.q_norm.forward(heads[:, :hq]), cos, sin)
+        k = apply_rope(attn.k_norm.forward(heads[:, hq : hq + hkv]), cos, sin)
+        v = heads[:, hq + hkv :]
+    o = attention(q, k, v, layout, cache=cache, backend=backend, window=attn.window, cp=attn.cp)
+    x = project(o.reshape(t, hq * d), o_w, None, x, tr)
+    y = F.rms_norm(x, w2.shape, w2, eps) if fast_norm else ln2.forward(x)
+    gate, up = project(y, gate_up, None, None, tr).split(inter, dim=-1)
+    return project(F.silu(gate).mul_(up), down, None, x, tr)
 
 
 class DecoderBody(nn.Module):
@@ -314,7 +309,8 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config)
         self.attn_backend = "sdpa"
-        self._lm_head = FusedWeight()  # the fused inference path's copy (specrl.models.fused)
+        # the fused inference path's copies (specrl.models.fused)
+        self._plan, self._lm_head = DecoderPlan(), FusedWeight()
 
     # -------------------------------------------------------------- construction helpers
     def init_weights(self, seed: int = 0, std: float = 0.02) -> Transformer:
@@ -394,11 +390,14 @@ class Transformer(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         want = set(taps)
         tapped: dict[int, torch.Tensor] = {}
+        backend = self.attn_backend
+        plan = self._plan.layers(self) if fused else None
         for i in self.layer_ids:
             view = cache.view(i) if cache is not None else None
-            layer = self.layer(i)
-            run = layer.infer if fused else layer
-            h = run(h, cos, sin, layout, view, self.attn_backend)
+            if plan is None:
+                h = self.layer(i)(h, cos, sin, layout, view, backend)
+            else:
+                h = infer_layer(plan[i], h, cos, sin, layout, view, backend)
             if i in want:
                 tapped[i] = h.detach()
         missing = want - set(tapped)
