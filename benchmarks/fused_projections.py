@@ -86,7 +86,7 @@ def draft_call(draft, b: int) -> Callable[[], object]:
 
     def call() -> object:
         batch = CacheBatch(cache, slots, prefix, CONTEXT + 1, slots_are_prefix=True, full_rows=True)
-        return draft.logits(draft.decode(h, ids, layout, batch, fused=True))
+        return draft.logits(draft.decode(h, ids, layout, batch, fused=True), fused=True)
 
     return call
 

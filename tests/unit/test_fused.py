@@ -147,8 +147,8 @@ def test_fused_plan_follows_replaced_modules_parameters_and_layout():
     model = _model()
     _assert_fresh(model)
     plan = model._plan
-    copies = plan.layers(model)
-    assert plan.layers(model) is copies  # nothing changed: no rebuild
+    copies = plan.get(model)
+    assert plan.get(model) is copies  # nothing changed: no rebuild
     other = _model()
     other.init_weights(5, std=0.2)
     model.load_state_dict(other.double().state_dict(), assign=True)  # new Parameter objects
@@ -159,15 +159,15 @@ def test_fused_plan_follows_replaced_modules_parameters_and_layout():
         torch.randn_like(model.layer(0).self_attn.q_proj.weight)
     )
     _assert_fresh(model)
-    built = plan.layers(model)
+    built = plan.get(model)
     for layout in ("rows", "transposed"):
         fused.CPU_LAYOUT = layout
         try:
-            assert plan.layers(model)[0].transposed == (layout == "transposed")
+            assert plan.get(model)[0].transposed == (layout == "transposed")
             _assert_fresh(model)
         finally:
             fused.CPU_LAYOUT = "transposed"
-    assert plan.layers(model) is not built
+    assert plan.get(model) is not built
 
 
 def test_writes_through_data_need_invalidate():
@@ -183,17 +183,56 @@ def test_writes_through_data_need_invalidate():
     _assert_fresh(model)
 
 
-def test_draft_inference_qkv_and_mlp_equal_the_training_path():
+def _draft_run(draft: Eagle3Draft, fused: bool) -> list[torch.Tensor]:
+    """Main entries of three sequences (uneven, slots out of order), then two chain steps of
+    one token each, as the eagle3 proposer decodes: pre-norm h and logits of every pass."""
+    gen = torch.Generator().manual_seed(5)
+    h_dim, vocab = draft.config.hidden_size, draft.config.vocab_size
+    cache = draft.new_cache(num_slots=4, max_len=16)
+    slots = torch.tensor([3, 0, 1])
+    outs: list[torch.Tensor] = []
+    prefix = [0, 0, 0]
+    for lens in ([4, 6, 2], [1, 1, 1], [1, 1, 1]):
+        feat = torch.randn(sum(lens), h_dim, generator=gen, dtype=torch.float64)
+        ids = torch.randint(0, vocab, (sum(lens),), generator=gen)
+        cb = CacheBatch(
+            cache,
+            slots,
+            torch.tensor(prefix),
+            max(p + n for p, n in zip(prefix, lens, strict=True)),
+        )
+        h = draft.decode(feat, ids, PackedLayout.from_lengths(lens), cb, fused=fused)
+        outs += [h, draft.logits(h, fused=fused)]
+        prefix = [p + n for p, n in zip(prefix, lens, strict=True)]
+    return outs
+
+
+@pytest.mark.parametrize("layout", ["transposed", "rows"])
+def test_draft_decoding_path_equals_the_module_path_fp64(layout, monkeypatch):
+    """The draft's decoding copies (DraftPlan) compute the module math, and follow in-place
+    weight changes and a replaced (re-shared) embedding."""
+    monkeypatch.setattr(fused, "CPU_LAYOUT", layout)
     tcfg = preset_config("toy-tiny", vocab_size=VOCAB)
     cfg = DraftConfig.for_target(tcfg, draft_vocab_size=40, tap_layers=(0, 0, 1))
     draft = init_draft_weights(Eagle3Draft(cfg).double(), seed=2, std=0.2)
-    mid = draft.midlayer
-    x = torch.randn(5, 2 * cfg.hidden_size, dtype=torch.float64)
-    feat = torch.randn(5, cfg.hidden_size, dtype=torch.float64)
-    cos, sin = draft.rotary.cos_sin(torch.arange(5), torch.float64)
-    out = x[:, : cfg.hidden_size]
     with torch.no_grad():
-        ref = [*mid.self_attn.qkv(x, cos, sin), mid.finish(feat, out)]
-        got = [*mid.self_attn.qkv(x, cos, sin, fused=True), mid.finish(feat, out, fused=True)]
-    for a, b in zip(got, ref, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        draft.embed_tokens.weight.copy_(torch.randn(VOCAB, cfg.hidden_size, dtype=torch.float64))
+
+    def check() -> None:
+        with torch.no_grad():
+            got, ref = _draft_run(draft, True), _draft_run(draft, False)
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+    check()
+    with torch.no_grad():
+        draft.midlayer.mlp.up_proj.weight.mul_(1.5)
+        draft.lm_head.weight.add_(0.1)
+        draft.midlayer.hidden_norm.weight.mul_(0.5)
+    check()
+    target = _model()
+    draft.refresh_embedding(target.model.embed_tokens.weight.detach(), share=True)
+    check()
+    with torch.no_grad():  # the shared embedding moves with the target's in-place updates
+        target.model.embed_tokens.weight.mul_(2.0)
+    check()

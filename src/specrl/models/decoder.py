@@ -145,18 +145,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self._gate_up, self._down = FusedWeight(), FusedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def infer(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`forward` with one fused gate|up projection and ``residual`` added in the
-        down projection's GEMM (inference, no autograd)."""
-        gate, up = self._gate_up.project(x, self.gate_proj.weight, self.up_proj.weight).chunk(
-            2, dim=-1
-        )
-        return self._down.project(F.silu(gate).mul_(up), self.down_proj.weight, residual=residual)
 
 
 class DecoderLayer(nn.Module):
@@ -391,7 +382,7 @@ class Transformer(nn.Module):
         want = set(taps)
         tapped: dict[int, torch.Tensor] = {}
         backend = self.attn_backend
-        plan = self._plan.layers(self) if fused else None
+        plan = self._plan.get(self) if fused else None
         for i in self.layer_ids:
             view = cache.view(i) if cache is not None else None
             if plan is None:

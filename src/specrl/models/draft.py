@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specrl.core.attention import PackedLayout, attention, dense_attention
@@ -44,7 +45,7 @@ from specrl.models.decoder import (
     apply_rope,
     rope_heads,
 )
-from specrl.models.fused import FusedWeight
+from specrl.models.fused import DraftPlan, project
 
 
 @dataclass
@@ -169,16 +170,10 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        self._qkv_weight, self._o = FusedWeight(), FusedWeight()
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False):
-        """q, k (RoPE applied), v; ``fused``: one q|k|v projection (inference, no autograd)."""
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q, k (RoPE applied), v."""
         t = x.shape[0]
-        if fused:
-            projs = (self.q_proj, self.k_proj, self.v_proj)
-            heads = self._qkv_weight.project(x, *(p.weight for p in projs))
-            heads = heads.view(t, self.num_heads + 2 * self.num_kv_heads, -1)
-            return rope_heads(heads, self.num_heads, self.num_kv_heads, cos, sin)
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -197,17 +192,9 @@ class DraftLayer(nn.Module):
     def attn_input(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.input_layernorm(emb), self.hidden_norm(feat)], dim=-1)  # [T, 2H]
 
-    def finish(
-        self, feat: torch.Tensor, attn_out: torch.Tensor, fused: bool = False
-    ) -> torch.Tensor:
-        """Residual (the un-normed feature) + o_proj, then the MLP block → pre-norm h [T, H];
-        ``fused``: the inference projections (:mod:`specrl.models.fused`: one gate|up
-        projection, residuals added in the GEMMs; no autograd)."""
+    def finish(self, feat: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual (the un-normed feature) + o_proj, then the MLP block → pre-norm h [T, H]."""
         t = attn_out.shape[0]
-        if fused:
-            attn = self.self_attn
-            h = attn._o.project(attn_out.reshape(t, -1), attn.o_proj.weight, residual=feat)
-            return self.mlp.infer(self.post_attention_layernorm.forward(h), residual=h)
         h = feat + self.self_attn.o_proj(attn_out.reshape(t, -1))
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -231,6 +218,7 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
         self.rotary = Rotary(cfg.rope_config())
+        self._plan = DraftPlan()  # the decoding path's copies (specrl.models.fused)
 
     # ------------------------------------------------------------------ vocab / embedding
     def set_vocab_map(self, draft_to_target: torch.Tensor) -> None:
@@ -263,9 +251,16 @@ class Eagle3Draft(nn.Module):
             self.embed_tokens.weight.copy_(target_embedding.detach())
 
     # --------------------------------------------------------------------------- pieces
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Pre-norm hidden [T, H] → draft-vocabulary logits [T, Vd] (float32 / float64)."""
-        out = self.lm_head(self.norm(h))
+    def logits(self, h: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """Pre-norm hidden [T, H] → draft-vocabulary logits [T, Vd] (float32 / float64);
+        ``fused``: through the decoding path's copies (no autograd)."""
+        if fused:
+            c = self._plan.get(self)
+            w = c.norm_weights[3]
+            y = F.rms_norm(h, w.shape, w, c.eps) if h.dtype == c.norm_dtype else c.norms[3](h)
+            out = project(y, c.lm_head, None, None, c.transposed)
+        else:
+            out = self.lm_head(self.norm(h))
         return out if out.dtype == torch.float64 else out.float()
 
     def project(self, taps: torch.Tensor) -> torch.Tensor:
@@ -356,15 +351,51 @@ class Eagle3Draft(nn.Module):
         ``fused``: the fused q|k|v and gate|up projections; default: when autograd is off
         (inference).  A compiled caller passes False (the fused copies are kept on the host).
         """
-        layer = self.midlayer
         cache.prepare(layout, feat.dtype, None)
         cos, sin = self.rotary.cos_sin(cache.rows[1], feat.dtype)  # positions = cache rows
-        x = layer.attn_input(self.embed_tokens(ids), feat)
         if fused is None:
             fused = not torch.is_grad_enabled()  # decoding is inference: fused projections
-        q, k, v = layer.self_attn.qkv(x, cos, sin, fused=fused)
+        if fused:
+            return self._decode_fused(feat, ids, layout, cache, cos, sin)
+        layer = self.midlayer
+        x = layer.attn_input(self.embed_tokens(ids), feat)
+        q, k, v = layer.self_attn.qkv(x, cos, sin)
         out = attention(q, k, v, layout, cache=cache.view(0))
-        return layer.finish(feat, out, fused=fused)
+        return layer.finish(feat, out)
+
+    def _decode_fused(
+        self,
+        feat: torch.Tensor,
+        ids: torch.Tensor,
+        layout: PackedLayout,
+        cache: CacheBatch,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`decode` from the draft's resolved copies (:class:`DraftPlan`): one q|k|v
+        projection, one RoPE pass, o_proj and down_proj with their residual added in the GEMM,
+        gate|up as one projection; same math, no module lookups."""
+        (emb, norms, ws, norm_dtype, eps, qkv, o_w, gate_up, down, _, heads, inter, tr) = (
+            self._plan.get(self)
+        )
+        hq, hkv, d = heads
+        t = feat.shape[0]
+        e = F.embedding(ids, emb)
+        if feat.dtype == norm_dtype:
+            x = torch.cat(
+                [F.rms_norm(e, ws[0].shape, ws[0], eps), F.rms_norm(feat, ws[1].shape, ws[1], eps)],
+                dim=-1,
+            )
+        else:
+            x = torch.cat([norms[0](e), norms[1](feat)], dim=-1)
+        qkv_out = project(x, qkv, None, None, tr).view(t, hq + 2 * hkv, d)
+        q, k, v = rope_heads(qkv_out, hq, hkv, cos, sin)
+        out = attention(q, k, v, layout, cache=cache.view(0))
+        h = project(out.reshape(t, hq * d), o_w, None, feat, tr)
+        w = ws[2]
+        y = F.rms_norm(h, w.shape, w, eps) if h.dtype == norm_dtype else norms[2](h)
+        gate, up = project(y, gate_up, None, None, tr).split(inter, dim=-1)
+        return project(F.silu(gate).mul_(up), down, None, h, tr)
 
 
 def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:

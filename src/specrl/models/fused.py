@@ -35,7 +35,7 @@ changes.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -146,35 +146,58 @@ class LayerCopies(NamedTuple):
     transposed: bool
 
 
-class DecoderPlan:
-    """Every layer's :class:`LayerCopies` of a decoder (``Transformer``), rebuilt when stale
-    (module docstring); :meth:`layers` is called once per inference forward."""
+class Plan:
+    """Inference copies of one module's weights, resolved together and rebuilt when stale
+    (module docstring); :meth:`get` is called once per inference forward.  Subclasses say what
+    to resolve (:meth:`_build`)."""
 
-    __slots__ = ("_layers", "_ptrs", "_stamp", "_tensors", "_versions")
+    __slots__ = ("_ptrs", "_stamp", "_tensors", "_value", "_versions")
 
     def __init__(self) -> None:
         self.clear()
 
     def clear(self) -> None:
-        self._layers: dict[int, LayerCopies] = {}
+        self._value: Any = None
         self._tensors: list[torch.Tensor] = []
         self._versions: list[int] = []
         self._ptrs: list[int] = []
         self._stamp: tuple[int, str] | None = None
 
-    def layers(self, model: nn.Module) -> dict[int, LayerCopies]:
-        """Layer id → its copies, current for ``model``'s weights."""
+    def get(self, module: nn.Module) -> Any:
+        """The resolved copies, current for ``module``'s weights."""
         ts = self._tensors
         if (
             self._stamp != (_registrations, CPU_LAYOUT)
             or [t._version for t in ts] != self._versions
             or [t.data_ptr() for t in ts] != self._ptrs
         ):
-            self._build(model)
-        return self._layers
+            stamp = (_registrations, CPU_LAYOUT)
+            self._value, sources = self._build(module)
+            self._tensors = sources
+            self._versions = [t._version for t in sources]
+            self._ptrs = [t.data_ptr() for t in sources]
+            self._stamp = stamp
+        return self._value
 
-    def _build(self, model: nn.Module) -> None:
-        stamp = (_registrations, CPU_LAYOUT)
+    def _build(self, module: nn.Module) -> tuple[Any, list[torch.Tensor]]:
+        """(the copies, every tensor they were made from or read in place)."""
+        raise NotImplementedError
+
+
+def _norm_dtype(*norms: nn.Module) -> torch.dtype | None:
+    """The hidden dtype in which ``F.rms_norm`` computes exactly what these RMSNorms'
+    ``forward`` does (float32/float64 weights of one dtype and one eps); None: never."""
+    dt, eps = norms[0].weight.dtype, norms[0].eps
+    same = all(n.weight.dtype == dt and n.eps == eps for n in norms)
+    return dt if same and dt in (torch.float32, torch.float64) else None
+
+
+class DecoderPlan(Plan):
+    """Layer id → :class:`LayerCopies` of a decoder (``Transformer``)."""
+
+    __slots__ = ()
+
+    def _build(self, model: nn.Module) -> tuple[dict[int, LayerCopies], list[torch.Tensor]]:
         sources: list[torch.Tensor] = []
         layers = {}
         for i in model.layer_ids:
@@ -188,13 +211,11 @@ class DecoderPlan:
             norms = [n.weight for n in (attn.q_norm, attn.k_norm) if n is not None]
             sources += [*qkv, *gate_up, *rest, *norms, *(b for b in biases if b is not None)]
             tr = _transposed(qkv[0].device)
-            dt = ln1.weight.dtype
-            same = ln2.weight.dtype == dt and dt in (torch.float32, torch.float64)
             layers[i] = LayerCopies(
                 input_norm=ln1,
                 post_norm=ln2,
                 norm_weights=(ln1.weight, ln2.weight),
-                norm_dtype=dt if same and ln1.eps == ln2.eps else None,
+                norm_dtype=_norm_dtype(ln1, ln2),
                 eps=ln1.eps,
                 qkv=_copy(qkv, tr),
                 qkv_bias=None if biases[0] is None else _copy(biases, False),
@@ -205,15 +226,63 @@ class DecoderPlan:
                 intermediate=mlp.gate_proj.weight.shape[0],
                 transposed=tr,
             )
-        self._layers, self._tensors = layers, sources
-        self._versions = [t._version for t in sources]
-        self._ptrs = [t.data_ptr() for t in sources]
-        self._stamp = stamp
+        return layers, sources
+
+
+class DraftCopies(NamedTuple):
+    """An EAGLE-3 draft (``Eagle3Draft``) for decoding: what its layer pass and logits read."""
+
+    embedding: torch.Tensor  # [V, H], read in place (shared with the target by reference)
+    norms: tuple[nn.Module, nn.Module, nn.Module, nn.Module]  # input, hidden, post, final
+    norm_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    norm_dtype: torch.dtype | None
+    eps: float
+    qkv: torch.Tensor  # q|k|v over the 2H input
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    lm_head: torch.Tensor
+    heads: tuple[int, int, int]  # (Hq, Hkv, D)
+    intermediate: int
+    transposed: bool
+
+
+class DraftPlan(Plan):
+    """The :class:`DraftCopies` of an EAGLE-3 draft."""
+
+    __slots__ = ()
+
+    def _build(self, draft: nn.Module) -> tuple[DraftCopies, list[torch.Tensor]]:
+        mid = draft.midlayer
+        attn, mlp = mid.self_attn, mid.mlp
+        norms = (mid.input_layernorm, mid.hidden_norm, mid.post_attention_layernorm, draft.norm)
+        qkv = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        gate_up = [mlp.gate_proj.weight, mlp.up_proj.weight]
+        rest = [attn.o_proj.weight, mlp.down_proj.weight, draft.lm_head.weight]
+        embedding = draft.embed_tokens.weight
+        weights = tuple(n.weight for n in norms)
+        tr = _transposed(qkv[0].device)
+        copies = DraftCopies(
+            embedding=embedding,
+            norms=norms,
+            norm_weights=weights,  # type: ignore[arg-type]
+            norm_dtype=_norm_dtype(*norms),
+            eps=norms[0].eps,
+            qkv=_copy(qkv, tr),
+            o=_copy([attn.o_proj.weight], tr),
+            gate_up=_copy(gate_up, tr),
+            down=_copy([mlp.down_proj.weight], tr),
+            lm_head=_copy([draft.lm_head.weight], tr),
+            heads=(attn.num_heads, attn.num_kv_heads, attn.head_dim),
+            intermediate=mlp.gate_proj.weight.shape[0],
+            transposed=tr,
+        )
+        return copies, [*qkv, *gate_up, *rest, *weights, embedding]
 
 
 def invalidate(module: nn.Module) -> None:
     """Drop every fused copy under ``module`` (after writes through ``.data``)."""
     for m in module.modules():
         for value in vars(m).values():
-            if isinstance(value, (FusedWeight, DecoderPlan)):
+            if isinstance(value, (FusedWeight, Plan)):
                 value.clear()

@@ -324,7 +324,7 @@ class Eagle3Proposer:
         toks: list[torch.Tensor] = []  # per chain step j: [n_j] target ids of the first n_j rows
         qs: list[torch.Tensor | None] = []
         n = len(seqs)
-        logits = self.draft.logits(h)
+        logits = self.draft.logits(h, fused=True)
         for step in range(steps[0]):
             u = self._uniforms(seqs[:n], greedy[:n], steps[:n], step)
             tok, q = self._draw(logits, temps[:n], u, t_greedy[:n], not all(greedy[:n]))
@@ -545,7 +545,7 @@ class Eagle3Proposer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Chain position j → j + 1: the draft layer on (h, d_j), then the logits of d_{j+1}."""
         h = self.draft.decode(h, tok, layout, cache, fused=fused)
-        return h, self.draft.logits(h)
+        return h, self.draft.logits(h, fused=fused)
 
     def _ones(self, n: int) -> PackedLayout:
         """The layout of n sequences of one token each (kept: chain steps reuse it)."""
