@@ -236,3 +236,24 @@ def test_draft_decoding_path_equals_the_module_path_fp64(layout, monkeypatch):
     with torch.no_grad():  # the shared embedding moves with the target's in-place updates
         target.model.embed_tokens.weight.mul_(2.0)
     check()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rope_tables_equal_the_computed_rows_bit_for_bit(dtype):
+    """``cos_sin`` with a position bound looks its rows up in tables (grown on demand) that hold
+    exactly the computed values; without a bound it computes them."""
+    rotary = _model().rotary
+    gen = torch.Generator().manual_seed(8)
+    for bound in (5, 40, 255, 300, 1000):  # 300 and 1000 grow the first 256-row table
+        pos = torch.randint(0, bound + 1, (17,), generator=gen)
+        pos[0] = bound
+        got = rotary.cos_sin(pos, dtype, bound)
+        want = rotary.cos_sin(pos, dtype)
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == (17, 1, rotary_dim(rotary)) and a.dtype == dtype
+            assert torch.equal(a, b)
+    assert rotary._tables[(torch.device("cpu"), dtype)][0].shape[0] > 1000
+
+
+def rotary_dim(rotary) -> int:
+    return 2 * len(rotary.inv_freq_list)

@@ -15,7 +15,7 @@ import torch
 from scipy import stats
 
 from specrl.rollout.sampling import RowParams, SamplingParams, sample_categorical, sampling_probs
-from specrl.rollout.verify import verify
+from specrl.rollout.verify import decide, decide_plain, verify
 
 V, K = 6, 3
 SIGNIFICANCE = 0.01
@@ -203,3 +203,23 @@ def test_lossy_verifiers_are_rejected(kind):
         for pvalue, _, outside in _per_position(tokens, n_acc, ks, p)
     )
     assert worst < SIGNIFICANCE
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_plain_decide_equals_the_general_decide_on_identity_rows(greedy):
+    """The engine's plain-step shortcut draws the same tokens and log-probabilities as
+    ``decide`` with one row per sequence (``row_index`` = arange), bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    b, v = 7, 23
+    logits = torch.randn(b, v, generator=gen, dtype=torch.float64) * 3
+    temps = [0.0 if greedy else 0.5 + i / 10 for i in range(b)]
+    rp = RowParams.build([SamplingParams(8, t) for t in temps], [1] * b, torch.device("cpu"))
+    probs = sampling_probs(logits, rp)
+    uniforms = torch.rand(b, 2, generator=gen)
+    rows = torch.arange(b)[:, None]
+    zeros = torch.zeros(b, dtype=torch.int64)
+    want = decide(probs, logits, zeros, None, uniforms, rows, zeros)
+    got = decide_plain(probs, logits, uniforms)
+    for a, w in zip(got, want, strict=True):
+        assert a.shape == w.shape and a.dtype == w.dtype
+        assert torch.equal(a, w)

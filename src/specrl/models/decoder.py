@@ -56,11 +56,32 @@ class Rotary:
     def __init__(self, config: ModelConfig) -> None:
         self.inv_freq_list = config.inv_freq()
         self._inv: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (device, dtype) → cos, sin of every position below their length (cos_sin's tables)
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def cos_sin(
+        self, position_ids: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """cos, sin: [T, 1, D] in ``dtype`` for :func:`apply_rope` (math in float32, or float64
         for float64 models); ``sin`` is sign-folded: −sin on the first half of D, +sin on the
-        second."""
+        second.
+
+        ``max_position``: a host bound on the largest position (a cached forward knows one).
+        Given, the rows are looked up (two ``index_select``) in tables of every position up to
+        it, kept per device and dtype and grown as needed, instead of computed (about ten ops):
+        the same elementwise math, so the same bits.  Inside a compiled graph they are always
+        computed."""
+        if max_position is not None and not torch.compiler.is_compiling():
+            key = (position_ids.device, dtype)
+            table = self._tables.get(key)
+            if table is None or table[0].shape[0] <= max_position:
+                have = 0 if table is None else table[0].shape[0]
+                rows = torch.arange(max(256, max_position + 1, 2 * have), device=key[0])
+                table = self._tables[key] = self._compute(rows, dtype)
+            return table[0].index_select(0, position_ids), table[1].index_select(0, position_ids)
+        return self._compute(position_ids, dtype)
+
+    def _compute(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         math_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         key = (position_ids.device, math_dtype)
         # inside a compiled graph the tables are built, never looked up: a graph that read the
@@ -378,7 +399,8 @@ class Transformer(nn.Module):
             positions = cache.rows[1]
         else:
             positions = layout.position_ids
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        bound = None if cache is None else cache.max_kv_len - 1  # positions < max_kv_len
+        cos, sin = self.rotary.cos_sin(positions, h.dtype, bound)
         want = set(taps)
         tapped: dict[int, torch.Tensor] = {}
         backend = self.attn_backend

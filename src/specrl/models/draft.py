@@ -352,7 +352,8 @@ class Eagle3Draft(nn.Module):
         (inference).  A compiled caller passes False (the fused copies are kept on the host).
         """
         cache.prepare(layout, feat.dtype, None)
-        cos, sin = self.rotary.cos_sin(cache.rows[1], feat.dtype)  # positions = cache rows
+        # positions = cache rows, below max_kv_len
+        cos, sin = self.rotary.cos_sin(cache.rows[1], feat.dtype, cache.max_kv_len - 1)
         if fused is None:
             fused = not torch.is_grad_enabled()  # decoding is inference: fused projections
         if fused:

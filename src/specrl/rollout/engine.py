@@ -78,7 +78,7 @@ from specrl.rollout.sampling import (
     sampling_probs,
     sequence_generator,
 )
-from specrl.rollout.verify import decide
+from specrl.rollout.verify import decide, decide_plain
 
 
 @dataclass
@@ -272,6 +272,9 @@ class RolloutEngine:
         self._by_proposer = {name: SpecStats() for name in self.proposers}
         # the last launch's sampling tensors (_row_params_of): parameter objects, rows, tensors
         self._row_params: tuple[list[SamplingParams], list[int], RowParams] | None = None
+        # eager plain decode steps: per batch size, the layout and verifier tables that do
+        # not change from step to step (_prepare_plain)
+        self._plain_tables: dict[int, tuple[PackedLayout, torch.Tensor, torch.Tensor]] = {}
 
     # ---------------------------------------------------------------------- requests
     def add_requests(self, requests: Sequence[Request]) -> list[str]:
@@ -548,10 +551,13 @@ class RolloutEngine:
         entries are views of it (at small batch a step's host cost is mostly per-call overhead).
         """
         fed = launch.fed
-        lens = [len(x) for x in launch.inputs]
         slots_are_prefix = all(s.slot == i for i, s in enumerate(fed))
         # compiled decode: a uniform [B, M] block (module docstring of specrl.rollout.compiled)
         padded = self._compiled is not None and not launch.prefill and slots_are_prefix
+        if not launch.prefill and not padded and all(n == 1 for n in launch.num_rows):
+            self._prepare_plain(launch, slots_are_prefix)
+            return
+        lens = [len(x) for x in launch.inputs]
         width = max(lens)
         fed_lens = [width] * len(lens) if padded else lens
         starts, cu = [], [0]
@@ -610,6 +616,47 @@ class RolloutEngine:
         t["uniforms"] = self._uniforms(launch)
         if any(d.probs is not None for d in launch.drafts):
             t["draft_probs"] = self._draft_probs(launch.drafts)  # [R, V]
+
+    def _prepare_plain(self, launch: _Launch, slots_are_prefix: bool) -> None:
+        """:meth:`_prepare` for an eager plain decode step (one token per sequence, no drafts):
+        only the token ids, slots and prefix lengths change from step to step; the layout
+        (B sequences of one token) and the verifier's tables are kept per batch size."""
+        seqs = launch.seqs
+        b = len(seqs)
+        static = self._plain_tables.get(b)
+        if static is None:
+            ar = torch.arange(b + 1, device=self.device)
+            zeros = torch.zeros(b, dtype=torch.int64, device=self.device)
+            layout = PackedLayout(ar, zeros, 1, ar[:b])
+            static = self._plain_tables[b] = (layout, ar[:b].view(b, 1), zeros)
+        layout, row_index, zeros = static
+        kv = [s.kv_len for s in seqs]
+        flat = torch.tensor(
+            [x[0] for x in launch.inputs] + [s.slot for s in seqs] + kv,
+            dtype=torch.int64,
+            device=self.device,
+        )
+        ids, slots, prefix = flat.split(b)
+        launch.input_starts = list(range(b))
+        launch.k1 = 1
+        t = launch.tensors
+        t.update(
+            ids=ids,
+            slots=slots,
+            prefix=prefix,
+            layout=layout,
+            row_index=row_index,
+            num_drafts=zeros,
+            draft_tokens=zeros,
+            logits_index=None,
+            max_kv=max(kv) + 1,
+            slots_are_prefix=slots_are_prefix,
+            full_rows=all(x == kv[0] for x in kv),
+            padded=False,
+            plain=True,
+        )
+        t["params"] = self._row_params_of([s.params for s in seqs], launch.num_rows)
+        t["uniforms"] = self._uniforms(launch)
 
     def _row_params_of(self, params: list[SamplingParams], rows: list[int]) -> RowParams:
         """The launch's :class:`RowParams`: the previous launch's tensors when it had the same
@@ -699,6 +746,8 @@ class RolloutEngine:
         if t["padded"]:  # graph class: one sequence; drafts in the step; q given or one-hot
             key = (rows.shape[0] == 1, rows.shape[1] == 1, q is None)
             decided = self._compiled_decide(probs, logits, *args, key=key)  # type: ignore[misc]
+        elif t.get("plain"):  # _prepare_plain: row b is sequence b's only row
+            decided = decide_plain(probs, logits, t["uniforms"])
         else:
             decided = decide(probs, logits, *args)
         tokens, num_accepted, sampled_lp, policy_lp = decided

@@ -108,3 +108,16 @@ def decide(
     ver = verify(probs, draft_tokens, draft_probs, uniforms, row_index, num_drafts)
     sampled, policy = emitted_logprobs(probs, logits, row_index, ver.tokens)
     return ver.tokens, ver.num_accepted, sampled, policy
+
+
+def decide_plain(
+    probs: torch.Tensor,  # [B, V] processed distribution p of each sequence's one row
+    logits: torch.Tensor,  # [B, V] raw target logits
+    uniforms: torch.Tensor,  # [B, 2] U[0,1); column 1 draws the token
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`decide` for a plain step whose rows are its sequences in order (nobody drafted,
+    ``row_index`` = arange(B)[:, None]): the same draws and values without the row tables."""
+    final = sample_categorical(probs, uniforms[:, 1])[:, None]  # [B, 1]
+    sampled = probs.gather(1, final).log()
+    policy = torch.log_softmax(logits, dim=-1).gather(1, final)
+    return final, torch.zeros_like(final[:, 0]), sampled, policy

@@ -327,7 +327,10 @@ class Eagle3Proposer:
         logits = self.draft.logits(h, fused=True)
         for step in range(steps[0]):
             u = self._uniforms(seqs[:n], greedy[:n], steps[:n], step)
-            tok, q = self._draw(logits, temps[:n], u, t_greedy[:n], not all(greedy[:n]))
+            live_greedy = greedy[:n]
+            tok, q = self._draw(
+                logits, temps[:n], u, t_greedy[:n], not all(live_greedy), any(live_greedy)
+            )
             toks.append(tok)
             qs.append(q)
             n = sum(1 for k in steps if k > step + 1)
@@ -484,21 +487,22 @@ class Eagle3Proposer:
         u: torch.Tensor,  # [B] uniforms (ignored for greedy rows)
         greedy: torch.Tensor,  # [B] bool
         sampled: bool,  # host flag: some row samples
+        any_greedy: bool = True,  # host flag: some row is greedy (False skips their argmax)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft token per row of draft-vocab logits [B, Vd], all rows at once, on device:
         greedy rows take the argmax (one-hot q); sampled rows draw by inverse CDF from
         q = softmax(logits / temperature) with their uniform.  Returns target ids [B] and q
         [B, V] over the target vocabulary (None when every row is greedy; rows of greedy
         sequences hold an unused softmax)."""
-        ids = logits.argmax(-1)
         if not sampled:
-            return self._to_target[ids], None
+            return self._to_target[logits.argmax(-1)], None
         q_d = torch.softmax(_wide(logits) / temps[:, None], dim=-1)
         cdf = q_d.cumsum(-1)
         pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None])[:, 0]
-        ids = torch.where(greedy, ids, pick.clamp(max=q_d.shape[-1] - 1))
-        q = q_d.new_zeros(logits.shape[0], self.vocab)
-        q[:, self._to_target] = q_d
+        ids = pick.clamp_(max=q_d.shape[-1] - 1)
+        if any_greedy:
+            ids = torch.where(greedy, logits.argmax(-1), ids)
+        q = q_d.new_zeros(logits.shape[0], self.vocab).index_copy_(1, self._to_target, q_d)
         return self._to_target[ids], q
 
     def _start_draw(
