@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import random
 
 import numpy as np
 import pytest
@@ -505,3 +506,57 @@ def test_continuous_batching_reuses_slots_under_load():
         assert r.tokens == generate(model, [prompts[i]], lengths[i % 3].max_tokens)[0]
     s = engine.stats()
     assert s["finished"] == 11 and s["running"] == 0 and s["prefill_forwards"] > 3
+
+
+def _byte_level_tokenizer():
+    """A small byte-level BPE (multi-byte characters span several tokens, like GPT-2's)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["héllo wörld ünïcode </answer> 42 日本語 テキスト ⟨x⟩"] * 20, trainer)
+    return tok
+
+
+def test_stop_strings_found_from_the_tail_as_from_the_whole_text():
+    """``stop_string_hit`` (tail decode per token) finds the same stop, at the same token and
+    with the same text, as decoding the whole output after every token: multi-byte
+    characters split across tokens, special tokens decoding to nothing, long outputs."""
+    from specrl.models.tokenizer import TextCodec
+    from specrl.rollout.engine import stop_string_hit
+
+    codec = TextCodec(_byte_level_tokenizer(), 0, 1)
+    vocab = codec.tokenizer.get_vocab_size()
+    rng = random.Random(0)
+    stops_sets = [("</answer>",), ("日本",), ("ö", "wör"), ("テキスト", "42"), ("x⟩",)]
+    found = 0
+    for trial in range(60):
+        stops = stops_sets[trial % len(stops_sets)]
+        prompt = [rng.randrange(vocab) for _ in range(5)]
+        # a random output, with some stop string's tokens (or a part) planted at times
+        out: list[int] = []
+        while len(out) < 400:
+            if rng.random() < 0.02:
+                out += codec.tokenizer.encode(rng.choice(stops)).ids
+            elif rng.random() < 0.05:
+                out.append(rng.choice([0, 1]))  # special tokens: decode to nothing
+            else:
+                out.append(rng.randrange(vocab))
+        tokens = prompt[:]
+        for tok in out:
+            tokens.append(tok)
+            text = codec.decode(tokens[len(prompt) :])
+            hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+            want = None if not hits else (text[: min(hits)[0]], min(hits)[1])
+            got = stop_string_hit(codec.decode, tokens, len(prompt), stops)
+            assert got == want, (trial, len(tokens))
+            if want is not None:
+                found += 1
+                break
+    assert found >= 40  # most outputs do hit a stop string: the check is exercised

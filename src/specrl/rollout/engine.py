@@ -165,6 +165,45 @@ class _Launch:
     k1: int = 1  # K + 1, width of the padded [B, K+1] tables
 
 
+# characters past a stop string that a tail decode covers: a window that starts inside a
+# multi-byte character decodes a replacement character or two at its start
+STOP_TAIL_MARGIN = 16
+
+
+def stop_string_hit(
+    decode: Callable[[list[int]], str],
+    tokens: list[int],
+    prompt_len: int,
+    stops: Sequence[str],
+) -> tuple[str, str] | None:
+    """(output text before the stop string, the stop string) if the output ``tokens[prompt_len:]``
+    contains one of ``stops`` (the earliest occurrence; on a tie the smallest string), else
+    None.
+
+    Called after every appended token, when no stop string was in the text before it: a new
+    occurrence ends in the text's last characters, so only a tail of the tokens is decoded
+    (enough for the longest stop string plus :data:`STOP_TAIL_MARGIN` characters), and the
+    whole output only when the tail holds a stop string, to cut the text there.  Per token
+    this costs the tail, not the output so far (a full decode per token is quadratic in the
+    length of long rollouts)."""
+    need = max(len(s) for s in stops) + STOP_TAIL_MARGIN
+    width = need
+    while True:
+        start = max(prompt_len, len(tokens) - width)
+        tail = decode(tokens[start:])
+        if start == prompt_len or len(tail) >= need:
+            break
+        width *= 2  # tokens that decode to few characters (bytes, special tokens)
+    if not any(s in tail for s in stops):
+        return None
+    text = tail if start == prompt_len else decode(tokens[prompt_len:])
+    hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    if not hits:
+        return None
+    i, s = min(hits)
+    return text[:i], s
+
+
 class _Stopwatch:
     """Times queued device work without a host sync: the engine clock where work runs on the
     host (CPU), CUDA events on a GPU (read once the step's single sync has happened)."""
@@ -479,7 +518,7 @@ class RolloutEngine:
             asked: dict[str, list[int]] = {}
             for b, (seq, arm) in enumerate(zip(seqs, arms, strict=True)):
                 # never draft past max_tokens: k + 1 tokens can be emitted
-                caps[b] = min(arm.k, seq.params.max_tokens - len(seq.output) - 1)
+                caps[b] = min(arm.k, seq.params.max_tokens - seq.num_output - 1)
                 asked.setdefault(arm.proposer, []).append(b)
             for name, idx in asked.items():  # cap 0 included: a proposer may batch them along
                 if not any(caps[b] for b in idx):
@@ -522,7 +561,7 @@ class RolloutEngine:
     def _remaining(self, seqs: list[SeqState]) -> float:
         """Expected tokens the running ``seqs`` still generate (the gate's horizon)."""
         lengths = self.controller.lengths
-        return sum(lengths.expected_remaining(len(s.output), s.params.max_tokens) for s in seqs)
+        return sum(lengths.expected_remaining(s.num_output, s.params.max_tokens) for s in seqs)
 
     def _checked(self, name: str, draft: Draft, cap: int) -> Draft:
         """A proposer's draft cut to ``cap`` tokens, with its ids and q shape validated."""
@@ -866,18 +905,16 @@ class RolloutEngine:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif p.stop:
             assert self.codec is not None
-            text = self.codec.decode(seq.output)
-            hits = [(i, s) for s in p.stop if (i := text.find(s)) >= 0]
-            if hits:
-                i, s = min(hits)
-                seq.finish_reason, seq.stop_reason, seq.text = "stop", s, text[:i]
-        if seq.finish_reason is None and len(seq.output) >= p.max_tokens:
+            hit = stop_string_hit(self.codec.decode, seq.tokens, seq.prompt_len, p.stop)
+            if hit is not None:
+                seq.finish_reason, seq.stop_reason, seq.text = "stop", hit[1], hit[0]
+        if seq.finish_reason is None and seq.num_output >= p.max_tokens:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
     def _finish(self, seq: SeqState) -> Result:
         self._running.remove(seq)
-        self.controller.record_finished(len(seq.output))
+        self.controller.record_finished(seq.num_output)
         self._free_slots.append(seq.slot)
         for p in self.proposers.values():
             p.release(seq)

@@ -83,6 +83,11 @@ class SeqState:
         return self.tokens[self.prompt_len :]
 
     @property
+    def num_output(self) -> int:
+        """``len(output)`` without copying it (per token on the engine's hot path)."""
+        return len(self.tokens) - self.prompt_len
+
+    @property
     def prompt(self) -> list[int]:
         return self.tokens[: self.prompt_len]
 
