@@ -640,9 +640,8 @@ class RolloutEngine:
         t.update(zip(parts, flat.split([len(v) for v in parts.values()]), strict=True))
         t.setdefault("logits_index", None)
         t["row_index"] = t["row_index"].view(len(launch.seqs), k1)
-        t["layout"] = PackedLayout(
-            t.pop("cu_seqlens"), t.pop("position_ids"), width, t.pop("seq_ids")
-        )
+        pos = t.pop("position_ids")  # each token's index in its fed run: the offsets too
+        t["layout"] = PackedLayout(t.pop("cu_seqlens"), pos, width, t.pop("seq_ids"), pos)
         t["max_kv"] = max(s.kv_len + n for s, n in zip(fed, fed_lens, strict=True))
         # host flags that spare the attention kernel work: slots 0..B−1 slice the cache instead
         # of gathering it; one new token each at one common position needs no mask
@@ -666,7 +665,7 @@ class RolloutEngine:
         if static is None:
             ar = torch.arange(b + 1, device=self.device)
             zeros = torch.zeros(b, dtype=torch.int64, device=self.device)
-            layout = PackedLayout(ar, zeros, 1, ar[:b])
+            layout = PackedLayout(ar, zeros, 1, ar[:b], zeros)
             static = self._plain_tables[b] = (layout, ar[:b].view(b, 1), zeros)
         layout, row_index, zeros = static
         kv = [s.kv_len for s in seqs]

@@ -280,7 +280,7 @@ class Eagle3Proposer:
             [c - 1 for c in cu[1:]],
             device=self.device,
         )
-        layout = PackedLayout(t_cu, t_pos, max(lens), t_seq)
+        layout = PackedLayout(t_cu, t_pos, max(lens), t_seq, t_pos)  # positions: offsets
         ends = [p + n for p, n in zip(prefix, lens, strict=True)]
         cache = CacheBatch(self.cache, t_slots, t_prefix, max(ends))
         h = self.draft.decode(self.draft.project(torch.cat(feats)), t_ids, layout, cache)
