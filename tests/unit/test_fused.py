@@ -230,6 +230,9 @@ def test_draft_decoding_path_equals_the_module_path_fp64(layout, monkeypatch):
         draft.lm_head.weight.add_(0.1)
         draft.midlayer.hidden_norm.weight.mul_(0.5)
     check()
+    h = torch.zeros(2, cfg.hidden_size, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="no_grad"):  # the copies are detached
+        draft.logits(h, fused=True)
     target = _model()
     draft.refresh_embedding(target.model.embed_tokens.weight.detach(), share=True)
     check()

@@ -255,6 +255,7 @@ class Eagle3Draft(nn.Module):
         """Pre-norm hidden [T, H] → draft-vocabulary logits [T, Vd] (float32 / float64);
         ``fused``: through the decoding path's copies (no autograd)."""
         if fused:
+            _need_no_grad()
             c = self._plan.get(self)
             w = c.norm_weights[3]
             y = F.rms_norm(h, w.shape, w, c.eps) if h.dtype == c.norm_dtype else c.norms[3](h)
@@ -357,6 +358,7 @@ class Eagle3Draft(nn.Module):
         if fused is None:
             fused = not torch.is_grad_enabled()  # decoding is inference: fused projections
         if fused:
+            _need_no_grad()
             return self._decode_fused(feat, ids, layout, cache, cos, sin)
         layer = self.midlayer
         x = layer.attn_input(self.embed_tokens(ids), feat)
@@ -382,13 +384,13 @@ class Eagle3Draft(nn.Module):
         hq, hkv, d = heads
         t = feat.shape[0]
         e = F.embedding(ids, emb)
-        if feat.dtype == norm_dtype:
-            x = torch.cat(
-                [F.rms_norm(e, ws[0].shape, ws[0], eps), F.rms_norm(feat, ws[1].shape, ws[1], eps)],
-                dim=-1,
-            )
-        else:
-            x = torch.cat([norms[0](e), norms[1](feat)], dim=-1)
+        e = F.rms_norm(e, ws[0].shape, ws[0], eps) if e.dtype == norm_dtype else norms[0](e)
+        f = (
+            F.rms_norm(feat, ws[1].shape, ws[1], eps)
+            if feat.dtype == norm_dtype
+            else norms[1](feat)
+        )
+        x = torch.cat([e, f], dim=-1)  # [T, 2H]
         qkv_out = project(x, qkv, None, None, tr).view(t, hq + 2 * hkv, d)
         q, k, v = rope_heads(qkv_out, hq, hkv, cos, sin)
         out = attention(q, k, v, layout, cache=cache.view(0))
@@ -397,6 +399,12 @@ class Eagle3Draft(nn.Module):
         y = F.rms_norm(h, w.shape, w, eps) if h.dtype == norm_dtype else norms[2](h)
         gate, up = project(y, gate_up, None, None, tr).split(inter, dim=-1)
         return project(F.silu(gate).mul_(up), down, None, h, tr)
+
+
+def _need_no_grad() -> None:
+    """The decoding copies are detached: a fused pass under autograd would drop gradients."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("the draft's fused decoding path needs torch.no_grad()")
 
 
 def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
