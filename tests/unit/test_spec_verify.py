@@ -15,7 +15,7 @@ import torch
 from scipy import stats
 
 from specrl.rollout.sampling import RowParams, SamplingParams, sample_categorical, sampling_probs
-from specrl.rollout.verify import decide, decide_plain, verify
+from specrl.rollout.verify import decide, decide_greedy, decide_plain, verify
 
 V, K = 6, 3
 SIGNIFICANCE = 0.01
@@ -212,6 +212,7 @@ def test_plain_decide_equals_the_general_decide_on_identity_rows(greedy):
     gen = torch.Generator().manual_seed(3)
     b, v = 7, 23
     logits = torch.randn(b, v, generator=gen, dtype=torch.float64) * 3
+    logits[0, 5] = logits[0, 2] = logits[0].max() + 1  # a tie: the first maximum wins
     temps = [0.0 if greedy else 0.5 + i / 10 for i in range(b)]
     rp = RowParams.build([SamplingParams(8, t) for t in temps], [1] * b, torch.device("cpu"))
     probs = sampling_probs(logits, rp)
@@ -219,7 +220,10 @@ def test_plain_decide_equals_the_general_decide_on_identity_rows(greedy):
     rows = torch.arange(b)[:, None]
     zeros = torch.zeros(b, dtype=torch.int64)
     want = decide(probs, logits, zeros, None, uniforms, rows, zeros)
-    got = decide_plain(probs, logits, uniforms)
-    for a, w in zip(got, want, strict=True):
-        assert a.shape == w.shape and a.dtype == w.dtype
-        assert torch.equal(a, w)
+    shortcuts = [decide_plain(probs, logits, uniforms)]
+    if greedy:  # all rows greedy: the argmax without building p
+        shortcuts.append(decide_greedy(logits))
+    for got in shortcuts:
+        for a, w in zip(got, want, strict=True):
+            assert a.shape == w.shape and a.dtype == w.dtype
+            assert torch.equal(a, w)

@@ -78,7 +78,7 @@ from specrl.rollout.sampling import (
     sampling_probs,
     sequence_generator,
 )
-from specrl.rollout.verify import decide, decide_plain
+from specrl.rollout.verify import decide, decide_greedy, decide_plain
 
 
 @dataclass
@@ -778,16 +778,18 @@ class RolloutEngine:
         else:
             self._decode_forwards += 1
         logits = out.logits  # [R, V]
-        probs = sampling_probs(logits, t["params"])  # [R, V]
         rows, q = t["row_index"], t.get("draft_probs")
         args = (t["draft_tokens"], q, t["uniforms"], rows, t["num_drafts"])
-        if t["padded"]:  # graph class: one sequence; drafts in the step; q given or one-hot
+        if t.get("plain") and t["params"].all_greedy:  # argmax rows: no distribution to build
+            decided = decide_greedy(logits)
+        elif t["padded"]:  # graph class: one sequence; drafts in the step; q given or one-hot
+            probs = sampling_probs(logits, t["params"])  # [R, V]
             key = (rows.shape[0] == 1, rows.shape[1] == 1, q is None)
             decided = self._compiled_decide(probs, logits, *args, key=key)  # type: ignore[misc]
         elif t.get("plain"):  # _prepare_plain: row b is sequence b's only row
-            decided = decide_plain(probs, logits, t["uniforms"])
+            decided = decide_plain(sampling_probs(logits, t["params"]), logits, t["uniforms"])
         else:
-            decided = decide(probs, logits, *args)
+            decided = decide(sampling_probs(logits, t["params"]), logits, *args)
         tokens, num_accepted, sampled_lp, policy_lp = decided
         launch.out = {
             "tokens": tokens,  # [B, K+1]

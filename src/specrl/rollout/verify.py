@@ -121,3 +121,14 @@ def decide_plain(
     sampled = probs.gather(1, final).log()
     policy = torch.log_softmax(logits, dim=-1).gather(1, final)
     return final, torch.zeros_like(final[:, 0]), sampled, policy
+
+
+def decide_greedy(
+    logits: torch.Tensor,  # [B, V] raw target logits of a plain step whose rows are all greedy
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`decide_plain` when every row is greedy: p is one-hot at the argmax (the first
+    maximum, as ``sampling_probs``), so the draw is the argmax and log p is 0; p is never
+    built."""
+    final = logits.argmax(dim=-1, keepdim=True)  # [B, 1]
+    policy = torch.log_softmax(logits, dim=-1).gather(1, final)
+    return final, torch.zeros_like(final[:, 0]), torch.zeros_like(policy), policy
