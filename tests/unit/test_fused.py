@@ -11,7 +11,7 @@ from specrl.core.attention import PackedLayout
 from specrl.models import fused
 from specrl.models.decoder import CacheBatch, Transformer
 from specrl.models.draft import DraftConfig, Eagle3Draft, init_draft_weights
-from specrl.models.fused import FusedWeight, invalidate
+from specrl.models.fused import inference_copy, invalidate, project
 from specrl.models.presets import preset_config
 
 VOCAB = 61
@@ -73,24 +73,19 @@ def test_fused_forward_equals_module_forward_fp64(over, layout, monkeypatch):
 
 
 def test_project_layouts_and_terms():
-    """Every combination of bias and residual, on both CPU layouts, equals the module math."""
+    """Every combination of bias and residual, on both copy layouts, equals the module math."""
     gen = torch.Generator().manual_seed(4)
     a, b = (torch.randn(n, 6, generator=gen, dtype=torch.float64) for n in (5, 3))
     bias, x, res = (torch.randn(s, generator=gen, dtype=torch.float64) for s in (8, (4, 6), (4, 8)))
     ref = x @ torch.cat([a, b]).T
-    fw = FusedWeight()
-    for layout in ("transposed", "rows", "transposed"):  # switching rebuilds the copy
-        fused.CPU_LAYOUT = layout
-        try:
-            w = fw.get(a, b)
-            assert w.shape == ((6, 8) if layout == "transposed" else (8, 6))
-            assert w.is_contiguous()
-            for bias_, res_ in ((None, None), (bias, None), (None, res), (bias, res)):
-                want = ref + (0 if bias_ is None else bias_) + (0 if res_ is None else res_)
-                got = fw.project(x, a, b, bias=bias_, residual=res_)
-                torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-        finally:
-            fused.CPU_LAYOUT = "transposed"
+    for transposed in (True, False):
+        w = inference_copy([a, b], transposed)
+        assert w.shape == ((6, 8) if transposed else (8, 6))
+        assert w.is_contiguous()
+        for bias_, res_ in ((None, None), (bias, None), (None, res), (bias, res)):
+            want = ref + (0 if bias_ is None else bias_) + (0 if res_ is None else res_)
+            got = project(x, w, bias_, res_, transposed)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def test_fused_forward_needs_no_grad():
@@ -163,7 +158,7 @@ def test_fused_plan_follows_replaced_modules_parameters_and_layout():
     for layout in ("rows", "transposed"):
         fused.CPU_LAYOUT = layout
         try:
-            assert plan.get(model)[0].transposed == (layout == "transposed")
+            assert plan.get(model).layers[0].transposed == (layout == "transposed")
             _assert_fresh(model)
         finally:
             fused.CPU_LAYOUT = "transposed"

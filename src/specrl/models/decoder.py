@@ -32,7 +32,7 @@ from torch import nn
 from specrl.core.attention import CacheView, CPContext, PackedLayout, attention
 from specrl.core.attention.kernels import cache_mask, cache_rows
 from specrl.models.config import ModelConfig
-from specrl.models.fused import DecoderPlan, FusedWeight, LayerCopies, project
+from specrl.models.fused import DecoderPlan, LayerCopies, project
 
 
 class RMSNorm(nn.Module):
@@ -322,7 +322,7 @@ class Transformer(nn.Module):
         self.rotary = Rotary(config)
         self.attn_backend = "sdpa"
         # the fused inference path's copies (specrl.models.fused)
-        self._plan, self._lm_head = DecoderPlan(), FusedWeight()
+        self._plan = DecoderPlan()
 
     # -------------------------------------------------------------- construction helpers
     def init_weights(self, seed: int = 0, std: float = 0.02) -> Transformer:
@@ -373,7 +373,8 @@ class Transformer(nn.Module):
         the inference copy of the weight (:mod:`specrl.models.fused`, no autograd)."""
         assert self.lm_head is not None, "this pipeline stage has no lm_head"
         if fused:
-            logits = self._lm_head.project(hidden, self.lm_head.weight)
+            c = self._plan.get(self)
+            logits = project(hidden, c.lm_head, None, None, c.transposed)
         else:
             logits = self.lm_head(hidden)
         return logits if logits.dtype == torch.float64 else logits.float()
@@ -404,7 +405,7 @@ class Transformer(nn.Module):
         want = set(taps)
         tapped: dict[int, torch.Tensor] = {}
         backend = self.attn_backend
-        plan = self._plan.get(self) if fused else None
+        plan = self._plan.get(self).layers if fused else None
         for i in self.layer_ids:
             view = cache.view(i) if cache is not None else None
             if plan is None:

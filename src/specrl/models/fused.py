@@ -5,8 +5,7 @@ the inference path runs q|k|v as one projection and gate|up as another (vLLM's
 ``QKVParallelLinear`` / ``MergedColumnParallelLinear``), with RoPE applied to q and k in one
 pass, and adds each residual inside the GEMM that feeds it (``addmm``: o_proj, down_proj).  The
 parameters keep their Hugging Face names and shapes (training, checkpoints and optimizers see
-nothing); :class:`FusedWeight` holds the inference copy, built on first use and rebuilt when any
-source weight changes:
+nothing); a :class:`Plan` holds the inference copies of a module's weights:
 
 - on CPU, the **transposed** row concatenation, [in, out] contiguous, for every projection
   (single ones included): MKL runs ``x @ W`` on it faster at decode sizes than ``x @ Wᵀ`` on
@@ -15,22 +14,17 @@ source weight changes:
 - elsewhere, the row concatenation (none for a single weight: the parameter itself) for
   ``F.linear``, whose transposed operand the GPU GEMMs take as it is.
 
-A change is seen through each weight's identity, storage and autograd **version counter**, which
-every in-place tensor op bumps: ``copy_`` (``RolloutEngine.update_weights``,
-``load_state_dict``), optimizer steps, ``fill_``.  Writes through ``.data`` bypass the counter;
-call :func:`invalidate` on the model after such a write.  Memory: on CPU the copies cost as much
-as the projection weights of the modules whose inference path runs (on GPU: q, k, v, gate and
-up only).
-
-A decoder's layers go one step further: :class:`DecoderPlan` resolves every layer's norm
-weights and projection copies once into a flat record (:class:`LayerCopies`) that the
-inference forward unpacks into local variables, and checks the sources once per forward
-instead of once per projection.  At decode sizes on CPU the Python around a layer (module
-attribute lookups, one cache check per projection, wrappers) cost a third of its time.  A
-plan is rebuilt when any source tensor changes (storage or version counter, as above), when
-any module anywhere registers a parameter or submodule (a replaced weight or module: a
-process-wide counter bumped by ``torch.nn`` registration hooks), or when :data:`CPU_LAYOUT`
-changes.
+A plan resolves everything a forward reads (per decoder layer a flat :class:`LayerCopies`
+record that the forward unpacks into local variables; the EAGLE-3 draft's
+:class:`DraftCopies`) once, and checks its sources once per forward: at decode sizes on CPU the
+Python around a layer (module attribute lookups, one cache check per projection, wrappers)
+cost a third of its time.  It is rebuilt when a source tensor changes storage or **version
+counter** (every in-place tensor op bumps it: ``copy_`` in ``RolloutEngine.update_weights`` and
+``load_state_dict``, optimizer steps, ``fill_``), when any module anywhere registers a parameter
+or submodule (a replaced weight or module: a process-wide counter bumped by ``torch.nn``
+registration hooks), or when :data:`CPU_LAYOUT` changes.  Writes through ``.data`` bypass the
+version counter; call :func:`invalidate` on the model after such a write.  Memory: on CPU the
+copies cost as much as the projection weights (on GPU: the q|k|v and gate|up concatenations).
 """
 
 from __future__ import annotations
@@ -51,43 +45,6 @@ def _transposed(device: torch.device) -> bool:
     return device.type == "cpu" and CPU_LAYOUT == "transposed"
 
 
-class FusedWeight:
-    """A no-grad inference copy of one or more weights [out_i, in], refreshed when one of them
-    changes; :meth:`project` applies it."""
-
-    __slots__ = ("_key", "_value")
-
-    def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._value: torch.Tensor | None = None
-
-    def get(self, *weights: torch.Tensor) -> torch.Tensor:
-        """The row concatenation [Σ out_i, in], or on CPU its transpose [in, Σ out_i]
-        (contiguous; :data:`CPU_LAYOUT`)."""
-        transposed = _transposed(weights[0].device)
-        key = (transposed, *((id(w), w.data_ptr(), w._version) for w in weights))
-        if key != self._key or self._value is None:
-            with torch.no_grad():
-                cat = weights[0] if len(weights) == 1 else torch.cat(weights)
-                self._value = cat.detach().t().contiguous() if transposed else cat.detach()
-            self._key = key
-        return self._value
-
-    def project(
-        self,
-        x: torch.Tensor,  # [T, in]
-        *weights: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        residual: torch.Tensor | None = None,  # [T, Σ out_i], added to the projection
-    ) -> torch.Tensor:
-        """``residual + x @ cat(weights)ᵀ + bias`` (each term optional), one GEMM call."""
-        w = self.get(*weights)
-        return project(x, w, bias, residual, self._key[0])  # the layout get() built the copy in
-
-    def clear(self) -> None:
-        self._key = self._value = None
-
-
 def project(
     x: torch.Tensor,  # [T, in]
     w: torch.Tensor,  # an inference copy: [in, out] if ``transposed`` else [out, in]
@@ -95,9 +52,9 @@ def project(
     residual: torch.Tensor | None,  # [T, out]
     transposed: bool,
 ) -> torch.Tensor:
-    """``residual + x @ W + bias`` from a copy made by :class:`FusedWeight` or
-    :class:`DecoderPlan` (each term optional), one GEMM call: ``mm``/``addmm`` on the transposed
-    copy (the residual inside the GEMM), ``F.linear`` on the rows."""
+    """``residual + x @ W + bias`` from an inference copy (each term optional), one GEMM call:
+    ``mm``/``addmm`` on the transposed copy (the residual inside the GEMM), ``F.linear`` on the
+    rows."""
     if not transposed:
         y = F.linear(x, w, bias)
         return y if residual is None else residual + y
@@ -121,8 +78,10 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
 torch.nn.modules.module.register_module_module_registration_hook(_registered)
 
 
-def _copy(weights: list[torch.Tensor], transposed: bool) -> torch.Tensor:
-    """The inference copy of ``weights`` [out_i, in] (as :meth:`FusedWeight.get`)."""
+def inference_copy(weights: list[torch.Tensor], transposed: bool) -> torch.Tensor:
+    """The inference copy of ``weights`` [out_i, in]: their row concatenation [Σ out_i, in], or
+    its contiguous transpose [in, Σ out_i] (``transposed``; detached, no copy for a single
+    untransposed weight)."""
     with torch.no_grad():
         cat = weights[0].detach() if len(weights) == 1 else torch.cat(weights)
         return cat.t().contiguous() if transposed else cat
@@ -192,12 +151,20 @@ def _norm_dtype(*norms: nn.Module) -> torch.dtype | None:
     return dt if same and dt in (torch.float32, torch.float64) else None
 
 
+class DecoderCopies(NamedTuple):
+    """A decoder (``Transformer``, or a pipeline stage of it) for the fused inference forward."""
+
+    layers: dict[int, LayerCopies]  # layer id → its copies, in layer order
+    lm_head: torch.Tensor | None  # None: the stage has no lm_head
+    transposed: bool
+
+
 class DecoderPlan(Plan):
-    """Layer id → :class:`LayerCopies` of a decoder (``Transformer``)."""
+    """The :class:`DecoderCopies` of a decoder."""
 
     __slots__ = ()
 
-    def _build(self, model: nn.Module) -> tuple[dict[int, LayerCopies], list[torch.Tensor]]:
+    def _build(self, model: nn.Module) -> tuple[DecoderCopies, list[torch.Tensor]]:
         sources: list[torch.Tensor] = []
         layers = {}
         for i in model.layer_ids:
@@ -217,16 +184,21 @@ class DecoderPlan(Plan):
                 norm_weights=(ln1.weight, ln2.weight),
                 norm_dtype=_norm_dtype(ln1, ln2),
                 eps=ln1.eps,
-                qkv=_copy(qkv, tr),
-                qkv_bias=None if biases[0] is None else _copy(biases, False),
-                o=_copy([attn.o_proj.weight], tr),
-                gate_up=_copy(gate_up, tr),
-                down=_copy([mlp.down_proj.weight], tr),
+                qkv=inference_copy(qkv, tr),
+                qkv_bias=None if biases[0] is None else inference_copy(biases, False),
+                o=inference_copy([attn.o_proj.weight], tr),
+                gate_up=inference_copy(gate_up, tr),
+                down=inference_copy([mlp.down_proj.weight], tr),
                 attn=attn,
                 intermediate=mlp.gate_proj.weight.shape[0],
                 transposed=tr,
             )
-        return layers, sources
+        head = model.lm_head
+        tr = _transposed(head.weight.device) if head is not None else False
+        lm_head = None if head is None else inference_copy([head.weight], tr)
+        if head is not None:
+            sources.append(head.weight)
+        return DecoderCopies(layers, lm_head, tr), sources
 
 
 class DraftCopies(NamedTuple):
@@ -268,11 +240,11 @@ class DraftPlan(Plan):
             norm_weights=weights,  # type: ignore[arg-type]
             norm_dtype=_norm_dtype(*norms),
             eps=norms[0].eps,
-            qkv=_copy(qkv, tr),
-            o=_copy([attn.o_proj.weight], tr),
-            gate_up=_copy(gate_up, tr),
-            down=_copy([mlp.down_proj.weight], tr),
-            lm_head=_copy([draft.lm_head.weight], tr),
+            qkv=inference_copy(qkv, tr),
+            o=inference_copy([attn.o_proj.weight], tr),
+            gate_up=inference_copy(gate_up, tr),
+            down=inference_copy([mlp.down_proj.weight], tr),
+            lm_head=inference_copy([draft.lm_head.weight], tr),
             heads=(attn.num_heads, attn.num_kv_heads, attn.head_dim),
             intermediate=mlp.gate_proj.weight.shape[0],
             transposed=tr,
@@ -284,5 +256,5 @@ def invalidate(module: nn.Module) -> None:
     """Drop every fused copy under ``module`` (after writes through ``.data``)."""
     for m in module.modules():
         for value in vars(m).values():
-            if isinstance(value, (FusedWeight, Plan)):
+            if isinstance(value, Plan):
                 value.clear()
