@@ -79,14 +79,14 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def spec_configs(draft: Path, compiled: bool) -> dict[str, SpecConfig | None]:
+def spec_configs(draft: Path, compiled: bool, max_k: int = MAX_K) -> dict[str, SpecConfig | None]:
     """The specrl variants' speculation settings (names ending in "compiled" compile)."""
     eagle = {"eagle3": {"path": str(draft)}}
-    best = SpecConfig(("eagle3", "ngram"), max_k=MAX_K, proposer_options=eagle)
+    best = SpecConfig(("eagle3", "ngram"), max_k=max_k, proposer_options=eagle)
     specs = {
         "specrl plain": None,
-        "specrl ngram": SpecConfig(("ngram",), max_k=MAX_K),
-        "specrl eagle3": SpecConfig(("eagle3",), max_k=MAX_K, proposer_options=eagle),
+        "specrl ngram": SpecConfig(("ngram",), max_k=max_k),
+        "specrl eagle3": SpecConfig(("eagle3",), max_k=max_k, proposer_options=eagle),
         "specrl best-of-N": best,
     }
     if compiled:
@@ -266,12 +266,12 @@ def summarize(mode: str, batch: int, name: str, runs: list[dict], plain: list[di
 
 def run_mode(
     mode: str, batches: list[int], repeats: int, max_tokens: int, target: Path, draft: Path,
-    lookup: int, clock: Callable[[], float], compiled: bool,
+    lookup: int, clock: Callable[[], float], compiled: bool, max_k: int = MAX_K,
 ) -> list[dict]:  # fmt: skip
     model = load_model(target).eval()
     codec = TextCodec(load_tokenizer(target), model.config.bos_token_id, model.config.eos_token_id)
     hf = HFRunner(target, codec.eos_id, model.config.pad_token_id or 0)
-    specs = spec_configs(draft, compiled)
+    specs = spec_configs(draft, compiled, max_k)
     setup = Setup(mode, model, codec, hf, specs, max_tokens, lookup, clock)
     rows = []
     for batch in batches:
@@ -395,7 +395,12 @@ def main() -> None:
     ap.add_argument("--modes", default="sampled,greedy", help="sampled and/or greedy")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--lookup", type=int, default=MAX_K, help="prompt_lookup_num_tokens")
+    ap.add_argument(
+        "--max-k", type=int, default=MAX_K, help="longest draft of the speculative variants"
+    )
+    ap.add_argument(
+        "--lookup", type=int, default=None, help="prompt_lookup_num_tokens (default: --max-k)"
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     ap.add_argument("--quick", action="store_true", help="B = 1, 8; sampled; one repeat")
@@ -405,6 +410,10 @@ def main() -> None:
     )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/rollout.json"))
     args = ap.parse_args()
+    if args.max_k < 1:
+        ap.error(f"--max-k must be ≥ 1, got {args.max_k}")
+    if args.lookup is None:
+        args.lookup = args.max_k
     torch.set_num_threads(args.threads)
     if args.clock == "cpu" and args.threads != 1:
         ap.error("--clock cpu measures one thread: use --threads 1 (or --clock wall)")
@@ -419,12 +428,12 @@ def main() -> None:
     for mode in modes:
         rows += run_mode(
             mode, batches, repeats, args.max_tokens, args.target, args.draft, args.lookup, clock,
-            args.compile,
+            args.compile, args.max_k,
         )  # fmt: skip
     add_ratios(rows)
     checks = targets(rows)
     title = (
-        f"rollout, addition, ≤{args.max_tokens} tokens, max k {MAX_K}, "
+        f"rollout, addition, ≤{args.max_tokens} tokens, max k {args.max_k}, "
         f"{args.clock} clock, {args.threads} thread, median of {repeats}"
     )
     render(rows, checks, title)
@@ -440,7 +449,7 @@ def main() -> None:
         "repeats": repeats,
         "clock": args.clock,
         "max_tokens": args.max_tokens,
-        "max_k": MAX_K,
+        "max_k": args.max_k,
         "compile": args.compile,
         "prompt_lookup_num_tokens": args.lookup,
         "torch": torch.__version__,

@@ -18,6 +18,10 @@ from specrl.models.generate import generate
 from specrl.models.presets import preset_config
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 from specrl.rollout.gating import (
+    PLAIN_PROBE_STEPS,
+    PLAIN_SAMPLES,
+    PROBE_STEPS,
+    SETTLE_STEPS,
     Arm,
     CostModel,
     DraftCost,
@@ -255,29 +259,58 @@ def test_controller_predicts_plain_steps_at_their_own_fixed_cost():
     assert ctrl.to_dict()["cost_model"]["s_s_per_speculative_step"] == pytest.approx(0.003)
 
 
-def test_a_step_that_switches_kind_is_no_timing_sample():
-    """Right after speculative steps a plain step runs with caches cold (and vice versa): its
-    time is the switch's, not plain decoding's.  Only steps of the same kind as the one before
-    feed the fit."""
+def test_steps_settling_after_a_switch_of_kind_are_no_timing_sample():
+    """Right after speculative steps plain steps run slower for a while (caches cold after the
+    other kind's forwards; measured on CPU: four steps) and a speculative step after plain ones
+    pays its drafter's catch-up: their times are the switch's.  A step feeds the fit once its
+    run of one kind is longer than SETTLE_STEPS[kind] (the engine's very first steps switch
+    nothing)."""
+    assert SETTLE_STEPS == {True: 1, False: 4}
     ctrl = SpecController(["x"], 4, seed=0)
-    kinds = [False, False, True, True, True, False, True, False, False]  # speculative?
-    for speculative in kinds:
-        rows = 32 * (5 if speculative else 1)
-        ctrl.record_step(rows, rows, 0.01 if speculative else 0.002, 32)
-    assert ctrl.switch_steps == 4
-    assert ctrl.cost.num_observations == len(kinds) - 4
-    assert ctrl.plain_seconds(32) == pytest.approx(0.002)  # not dragged up by the switches
+    runs = [(False, 2), (True, 3), (False, 6), (True, 1), (False, 3), (True, 2)]
+    settling = 0
+    for r, (speculative, length) in enumerate(runs):
+        for i in range(length):
+            rows = 32 * (5 if speculative else 1)
+            slow = r > 0 and i < SETTLE_STEPS[speculative]  # the first run switched nothing
+            settling += slow
+            seconds = (0.01 if speculative else 0.002) * (1.5 if slow else 1.0)
+            ctrl.record_step(rows, rows, seconds, 32)
+    # settling: spec 1 + plain 4 + spec 1 + plain 3 + spec 1
+    assert ctrl.switch_steps == settling == 10
+    assert ctrl.cost.num_observations == sum(n for _, n in runs) - 10
+    assert ctrl.cost.observations_of(0.0) == 2 + 2  # the first run, then 2 of 6
+    assert ctrl.plain_seconds(32) == pytest.approx(0.002)  # not dragged up by the settling
+    assert ctrl.spec_seconds(160, 160) == pytest.approx(0.01)
 
 
-def test_probes_run_two_steps_so_one_is_a_sample():
-    """With the gate on, plain probes come as runs of PROBE_STEPS = 2 plain steps, one run per
-    2/probe speculative steps (the same share of plain steps as single probes every 1/probe)."""
+def test_gate_on_plain_probes_settle_then_time_two_steps():
+    """With the gate on, plain probes come as runs of PLAIN_PROBE_STEPS = SETTLE_STEPS[plain]
+    + 2 plain steps, so each run times two steps past its settling: one run per PROBE_STEPS /
+    probe speculative steps until the fit holds PLAIN_SAMPLES timed plain steps, then one per
+    PLAIN_PROBE_STEPS / probe (the same share of plain steps as before)."""
+    assert PLAIN_PROBE_STEPS == SETTLE_STEPS[False] + 2 == 6 and PROBE_STEPS == 2
     ctrl = SpecController(["x"], 4, probe=0.05, seed=0)
-    kinds = "".join("p" if ctrl.plan(1) is None else "s" for _ in range(200))
-    assert ctrl.gate.on
-    runs = [run for run in kinds.split("s") if run]
-    assert runs == ["pp"] * len(runs) and len(runs) == 200 // 41
-    assert kinds.index("p") == 39  # the 2/probe-th step is the probe's first
+    kinds = []
+    for _ in range(1400):
+        arms = ctrl.plan(1)
+        if arms is None:
+            ctrl.record_step(1, 1, 0.010, 1)
+        else:
+            ctrl.record_step(arms[0].k + 1, arms[0].k + 1, 0.012, 1)
+            ctrl.record(arms[0], arms[0].k, arms[0].k + 1)  # every draft accepted
+        kinds.append("s" if arms else "p")
+    kinds = "".join(kinds)
+    assert ctrl.gate.on and ctrl.gate.switches == 0
+    spec_runs = [len(run) for run in kinds.split("p") if run]
+    plain_runs = [run for run in kinds.split("s") if run]
+    assert plain_runs == ["p" * PLAIN_PROBE_STEPS] * len(plain_runs)
+    early = PLAIN_SAMPLES // 2  # probes (two timed steps each) until PLAIN_SAMPLES are timed
+    assert spec_runs[:early] == [round(PROBE_STEPS / 0.05) - 1] * early  # the probe is the 40th
+    assert spec_runs[early:-1] == [round(PLAIN_PROBE_STEPS / 0.05) - 1] * (
+        len(spec_runs) - early - 1
+    )
+    assert ctrl.cost.observations_of(0.0) == 2 * len(plain_runs)
 
 
 def test_gate_off_probe_clock_runs_per_batch_size():

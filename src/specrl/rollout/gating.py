@@ -178,6 +178,10 @@ class CostModel:
     def num_observations(self) -> int:
         return self._count
 
+    def observations_of(self, kind: float) -> int:
+        """Observations in the window of one value of the ``split`` feature."""
+        return len(self._windows.get(float(kind), ()))
+
     def coefficients(self) -> tuple[float, ...]:
         """(c₀, c₁, …): seconds, then seconds per unit of each feature (for decode steps:
         per token fed, per padded query row)."""
@@ -386,10 +390,20 @@ class _ArmShape:
 
 
 ARM_MEMORY = 128  # verifications an arm's acceptance estimate averages over (then an EMA)
-# steps of a probe: the first step after a switch between plain and speculative steps is no
-# timing sample (it pays the switch: caches cold after the other kind's forwards, a drafter's
-# catch-up), so a probe runs on for one more step that is
-PROBE_STEPS = 2
+# Steps right after a switch between plain and speculative steps are no timing sample: they pay
+# the switch.  A speculative step after plain ones pays its drafter's catch-up (and cold caches)
+# once; plain steps after speculative ones run slower for several steps (on CPU, the toy target
+# at batch 1: +12 % over the first four after 40 speculative steps, then steady; a plain probe
+# timed on its second step made plain decoding look dearer than it is, and speculation that lost
+# ~15 % look like a win).  So a step is a sample once its run of one kind is longer than
+# SETTLE_STEPS[kind], and a probe runs one step past its settling.
+SETTLE_STEPS = {True: 1, False: 4}  # speculative?: steps of a run after a switch not timed
+PROBE_STEPS = SETTLE_STEPS[True] + 1  # a gate-off (speculative) probe
+PLAIN_PROBE_STEPS = SETTLE_STEPS[False] + 2  # a gate-on (plain) probe: two timed steps
+# timed plain steps the fit needs before gate-on plain probes space out to PLAIN_PROBE_STEPS /
+# probe speculative steps (until then every PROBE_STEPS / probe): an engine starts speculating
+# (the gate starts on), and S without measured plain steps is a guess
+PLAIN_SAMPLES = 8
 
 
 class SpecController:
@@ -437,7 +451,9 @@ class SpecController:
         self._probe_left = 0  # further steps of the probe under way
         self._probe_plain = False  # its kind
         self._last_speculative: bool | None = None  # the kind of the last decode step
-        self.switch_steps = 0  # decode steps that switched kind (no timing sample)
+        self._run_length = 0  # decode steps of that kind in a row
+        self._after_switch = False  # that run began with a switch of kind
+        self.switch_steps = 0  # decode steps settling after a switch of kind (no timing sample)
         self.spec_steps = 0
         self.plain_steps = 0
         self.selections: dict[str, int] = {str(a): 0 for a in self.arms}
@@ -561,7 +577,8 @@ class SpecController:
         proposer.)
 
         Probes keep both sides of the comparison measured, in runs of :data:`PROBE_STEPS`
-        steps (the engine takes no target timing from a step that switches kind).  While the
+        speculative or :data:`PLAIN_PROBE_STEPS` plain steps (the steps that settle after a
+        switch of kind are no timing sample, :data:`SETTLE_STEPS`).  While the
         gate is off, a probe speculates once in ``PROBE_STEPS · max(1, (1 − S₁)/h) / probe``
         steps at that batch size (each size keeps its own count, as it keeps its own gate
         state: the few steps a shrinking batch spends at each tail size add up slowly, so the
@@ -571,9 +588,11 @@ class SpecController:
         draft accepted) clears 1 + h: where not even that would turn the gate on, its outcome
         could not change the decision (an EAGLE-3 draft at a large batch, which would pay its
         whole catch-up for nothing), and with no such arm there is no probe.  While it is on,
-        a probe runs plain once in ``PROBE_STEPS / probe`` steps, whatever S says: S itself
-        depends on the plain step time t_p(B), which must be measured, not extrapolated from
-        speculative steps.  Either way about ``probe`` of the steps, at most.
+        a probe runs plain once in ``PLAIN_PROBE_STEPS / probe`` steps (every ``PROBE_STEPS /
+        probe`` until the fit holds :data:`PLAIN_SAMPLES` timed plain steps), whatever S says:
+        S itself depends on the plain step time t_p(B), which must be measured, not
+        extrapolated from speculative steps.  Either way about ``probe`` of the steps, at most
+        (a few more until plain steps are measured).
         """
         if self.bandit is None:
             self.plain_steps += 1
@@ -616,8 +635,10 @@ class SpecController:
                     allowed = probe_arms
             elif on:
                 self._spec_run += 1
-                if self.probe > 0 and self._spec_run >= PROBE_STEPS / self.probe:
-                    self._probe_left, self._probe_plain = PROBE_STEPS - 1, True
+                measured = self.cost.observations_of(0.0) >= PLAIN_SAMPLES
+                spacing = (PLAIN_PROBE_STEPS if measured else PROBE_STEPS) / max(self.probe, 1e-9)
+                if self.probe > 0 and self._spec_run >= spacing:
+                    self._probe_left, self._probe_plain = PLAIN_PROBE_STEPS - 1, True
                     return self._plain()
             else:
                 waited = self._plain_runs[batch_size] = self._plain_runs.get(batch_size, 0) + 1
@@ -676,13 +697,17 @@ class SpecController:
         drafting time taken out; None: no timing sample, e.g. it compiled a graph): ``tokens``
         fed, ``padded`` query rows.  A step with one query row per sequence
         (``padded == batch_size``) is a plain step, whether or not it was planned as
-        speculative (no proposer found a draft).  A step of the other kind than the one before
-        it is no sample either: it pays the switch (:data:`PROBE_STEPS`)."""
+        speculative (no proposer found a draft).  The first steps of a run of one kind after
+        a switch of kind are no sample either: they pay the switch (:data:`SETTLE_STEPS`)."""
         speculative = padded != batch_size
         last, self._last_speculative = self._last_speculative, speculative
-        switched = last is not None and last != speculative
-        self.switch_steps += switched
-        if seconds is not None and not switched:
+        if last == speculative:
+            self._run_length += 1
+        else:
+            self._run_length, self._after_switch = 1, last is not None
+        settling = self._after_switch and self._run_length <= SETTLE_STEPS[speculative]
+        self.switch_steps += settling
+        if seconds is not None and not settling:
             self.cost.observe(tokens, padded, float(speculative), seconds)
 
     def record_finished(self, output_tokens: int) -> None:
