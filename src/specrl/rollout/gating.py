@@ -402,8 +402,8 @@ PROBE_STEPS = SETTLE_STEPS[True] + 1  # a gate-off (speculative) probe
 PLAIN_PROBE_STEPS = SETTLE_STEPS[False] + 2  # a gate-on (plain) probe: two timed steps
 # timed plain steps the fit needs before gate-on plain probes space out to PLAIN_PROBE_STEPS /
 # probe speculative steps (until then every PROBE_STEPS / probe): an engine starts speculating
-# (the gate starts on), and S without measured plain steps is a guess
-PLAIN_SAMPLES = 8
+# (the gate starts on), and S without a measured plain step is a guess
+PLAIN_SAMPLES = 2
 
 
 class SpecController:
@@ -597,6 +597,12 @@ class SpecController:
         if self.bandit is None:
             self.plain_steps += 1
             return None
+        if self.gating and self._probe_left > 0 and self._probe_plain:
+            # a plain probe's further steps, planned as cheaply as a gated-off plain step: its
+            # timed steps must cost what plain decoding costs, not what pricing a speculative
+            # step costs (the backlog and horizon calls; the gate's state waits for the probe)
+            self._probe_left -= 1
+            return self._plain()
         secs, t_plain, speedup, best, probe_arms = self._steady(batch_size)
         allowed: tuple[Arm, ...] | None = None  # a gate-off probe's arms
         rates: dict[Arm, float] | None = None  # with the catch-up, where it was priced
@@ -624,10 +630,8 @@ class SpecController:
         if self.gating:
             h = max(self.gate.hysteresis, 1e-9)
             on = self.gate.decide(speedup, batch_size)
-            if self._probe_left > 0:  # a probe's further steps (its first one paid the switch)
+            if self._probe_left > 0:  # a speculative probe's further steps
                 self._probe_left -= 1
-                if self._probe_plain:
-                    return self._plain()
                 if not on:  # the batch may have shrunk (or a new one begun): its own arms
                     if not probe_arms:
                         self._probe_left = 0
