@@ -18,6 +18,7 @@ from specrl.models.generate import generate
 from specrl.models.presets import preset_config
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 from specrl.rollout.gating import (
+    COST_MAX_AGE,
     PLAIN_PROBE_STEPS,
     PLAIN_SAMPLES,
     PROBE_STEPS,
@@ -257,6 +258,53 @@ def test_controller_predicts_plain_steps_at_their_own_fixed_cost():
     assert ctrl.plain_seconds(32) == pytest.approx(0.004 + 32e-5)
     assert ctrl.spec_seconds(160, 160) == pytest.approx(0.007 + 160e-5)
     assert ctrl.to_dict()["cost_model"]["s_s_per_speculative_step"] == pytest.approx(0.003)
+
+
+def test_cost_model_ages_observations_out_down_to_min_keep_per_kind():
+    """With ``max_age``, an observation leaves its window once it is that far behind the
+    newest one (on the caller's clock), every kind's window, but each keeps ``min_keep``."""
+    model = CostModel(window=256, features=1, split=1, max_age=100, min_keep=3)
+    for t in range(10):  # kind 1 at times 0..9: 5 s each
+        model.observe(1.0, 5.0, at=t)
+    for t in range(10, 200):  # then only kind 0: 2 s, then 3 s from time 150 on
+        model.observe(0.0, 2.0 if t < 150 else 3.0, at=t)
+    assert model.observations_of(1.0) == 3  # aged out, but min_keep stay
+    assert model.observations_of(0.0) == 101  # times 99 … 199
+    assert model.num_observations == 104
+    # kind 0's window: 51 at 2 s and 50 at 3 s; kind 1 kept its last three 5 s samples
+    assert model.predict(0.0) == pytest.approx((51 * 2.0 + 50 * 3.0) / 101)
+    assert model.predict(1.0) == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="max_age"):
+        CostModel(max_age=0)
+
+
+@pytest.mark.parametrize("max_age", [COST_MAX_AGE, None])
+def test_gate_compares_plain_and_speculative_costs_measured_on_the_same_machine(max_age):
+    """A machine's speed drifts (a shared host: ±30 % between minutes).  With the gate on,
+    plain steps are measured only by probes, 2 per 126 steps: 256 of them span ~16 000 steps.
+    Here the machine runs 1.5× slower for 3000 steps, then at full speed while the drafts'
+    acceptance drops so that speculation loses (S = τ·t_p / t_s = 1.5 · 1.0 / 1.6 = 0.94).
+    Aged out after COST_MAX_AGE steps, the slow plain samples leave the fit and the gate turns
+    off; kept (max_age None), they inflate t_p by ~25 % and the gate stays on."""
+    ctrl = SpecController(["x"], 1, probe=0.05, seed=0, cost_max_age=max_age)
+    arm = Arm("x", 1)
+    rng = random.Random(0)
+
+    def run(steps: int, speed: float, accept: float) -> None:
+        for _ in range(steps):
+            arms = ctrl.plan(1)
+            if arms is None:
+                ctrl.record_step(1, 1, 1.0 * speed, 1)
+            else:
+                ctrl.record_step(2, 2, 1.6 * speed, 1)
+                ctrl.record(arm, 1, 2 if rng.random() < accept else 1)
+
+    run(3000, 1.5, 1.0)  # slow machine, every draft accepted: S = 2 · 1.0 / 1.6 = 1.25
+    assert ctrl.gate.on
+    run(3000, 1.0, 0.5)  # full speed, τ = 1.5: S = 0.94
+    assert ctrl.gate.on is (max_age is None)
+    if max_age is not None:
+        assert ctrl.plain_seconds(1) == pytest.approx(1.0)
 
 
 def test_steps_settling_after_a_switch_of_kind_are_no_timing_sample():

@@ -95,6 +95,14 @@ class CostModel:
     steps with the gate off, where one shared window would forget it (and, with only plain
     steps left to fit, could not tell the fixed cost from the per-token one at a constant
     batch size).
+
+    ``max_age``: observations older than that many later observations (of any kind) leave
+    their window, down to ``min_keep`` per window.  A rare kind's window would otherwise span
+    a far longer time than the common kind's (with the gate on, 256 plain samples from probes
+    are ~16 000 steps), and a shared machine's speed drifts over such spans (here ±30 % between
+    minutes): the fit would then compare one kind's cost on today's machine with the other's
+    averaged over a long past — a drift-sized error in the speedup, which at break-even
+    decides the gate.
     """
 
     REFIT_DIVISOR = 16
@@ -105,6 +113,8 @@ class CostModel:
         prior: tuple[float, ...] | None = None,
         features: int = 2,
         split: int | None = None,
+        max_age: int | None = None,
+        min_keep: int = 8,
     ) -> None:
         self.features = features
         n = features + 1
@@ -113,9 +123,15 @@ class CostModel:
             raise ValueError(f"prior needs {n} coefficients, got {len(self._prior)}")
         if split is not None and not 1 <= split <= features:
             raise ValueError(f"split must name a feature 1..{features}, got {split}")
+        if max_age is not None and max_age < 1:
+            raise ValueError(f"max_age must be ≥ 1, got {max_age}")
         self.window = window
+        self.max_age = max_age
+        self.min_keep = min_keep
         self._split = split
-        self._windows: dict[float, deque[tuple[float, ...]]] = {}
+        # per value of the split feature: (time observed, observation), oldest first
+        self._windows: dict[float, deque[tuple[int, tuple[float, ...]]]] = {}
+        self._seen = 0  # observations ever made (their default times)
         self._count = 0  # observations in all windows
         # running sums over the window: Σ x xᵀ, Σ x y, Σ y² with x = (1, x₁, …, xₙ)
         self._gram = [[0.0] * n for _ in range(n)]
@@ -131,8 +147,12 @@ class CostModel:
             key=len,
         )
 
-    def observe(self, *features_and_seconds: float) -> None:
-        """One step: its features x₁ … (as many as given, the rest 0), then its seconds."""
+    def observe(self, *features_and_seconds: float, at: int | None = None) -> None:
+        """One step: its features x₁ … (as many as given, the rest 0), then its seconds.
+
+        ``at``: the observation's time on the caller's clock for ``max_age`` (a count that
+        never decreases, e.g. decode steps, so that a model observed only now and then ages
+        with the steps between); default: the number of observations made."""
         *xs, seconds = features_and_seconds
         if len(xs) > self.features:
             raise ValueError(f"{len(xs)} features given, the model has {self.features}")
@@ -142,11 +162,19 @@ class CostModel:
         if obs_window is None:
             obs_window = self._windows[kind] = deque(maxlen=self.window)
         if len(obs_window) == obs_window.maxlen:
-            self._accumulate(obs_window[0], -1.0)
+            self._accumulate(obs_window[0][1], -1.0)
         else:
             self._count += 1
-        obs_window.append(obs)
+        now = self._seen if at is None else at
+        obs_window.append((now, obs))
+        self._seen += 1
         self._accumulate(obs, 1.0)
+        if self.max_age is not None:
+            oldest = now - self.max_age  # times below this are too old
+            for other in self._windows.values():
+                while len(other) > self.min_keep and other[0][0] < oldest:
+                    self._accumulate(other.popleft()[1], -1.0)
+                    self._count -= 1
         self._since_rebuild += 1
         if self._since_rebuild >= 4 * max(self.window, 1):  # bound rounding drift
             self._rebuild()
@@ -170,7 +198,7 @@ class CostModel:
         self._xy = [0.0] * n
         self._yy = 0.0
         for obs_window in self._windows.values():
-            for obs in obs_window:
+            for _, obs in obs_window:
                 self._accumulate(obs, 1.0)
         self._since_rebuild = 0
 
@@ -245,8 +273,8 @@ class DraftCost(CostModel):
     N·(per-row cost) + R·(catch-up per row); a lookup drafter about N·(per-token cost).  Zero
     before the first call."""
 
-    def __init__(self, window: int = 256) -> None:
-        super().__init__(window, prior=(0.0, 0.0, 0.0, 0.0), features=3)
+    def __init__(self, window: int = 256, max_age: int | None = None) -> None:
+        super().__init__(window, prior=(0.0, 0.0, 0.0, 0.0), features=3, max_age=max_age)
 
 
 class LengthModel:
@@ -404,6 +432,9 @@ PLAIN_PROBE_STEPS = SETTLE_STEPS[False] + 2  # a gate-on (plain) probe: two time
 # probe speculative steps (until then every PROBE_STEPS / probe): an engine starts speculating
 # (the gate starts on), and S without a measured plain step is a guess
 PLAIN_SAMPLES = 2
+# decode steps after which a timing sample leaves the cost fits (down to their min_keep per
+# kind): with the gate on, ~32 plain samples from probes; see CostModel's max_age
+COST_MAX_AGE = 2000
 
 
 class SpecController:
@@ -434,12 +465,13 @@ class SpecController:
         hysteresis: float = 0.1,
         probe: float = 0.05,
         cost_window: int = 256,
+        cost_max_age: int | None = COST_MAX_AGE,
         gate: bool = True,
         seed: int = 0,
     ) -> None:
         self.arms = tuple(Arm(p, k) for p in proposers for k in k_choices(max_k))
         # (T, P, speculative) → seconds; the speculative steps keep a window of their own
-        self.cost = CostModel(cost_window, features=3, split=3)
+        self.cost = CostModel(cost_window, features=3, split=3, max_age=cost_max_age)
         self.lengths = LengthModel()
         self.bandit = EpsilonGreedy(self.arms, epsilon, seed) if self.arms else None
         self.gate = SpeculationGate(hysteresis)
@@ -459,7 +491,8 @@ class SpecController:
         self.selections: dict[str, int] = {str(a): 0 for a in self.arms}
         rate = 1.0 / ARM_MEMORY
         self._shape = {a: _ArmShape(RunningMean(rate), RunningMean(rate)) for a in self.arms}
-        self.draft_cost = {p: DraftCost(cost_window) for p in proposers}
+        self.draft_cost = {p: DraftCost(cost_window, cost_max_age) for p in proposers}
+        self._decode_steps = 0  # the cost models' clock (CostModel.max_age)
         # cache of _steady: the fits it was computed with, each arm's step time and the
         # acceptance samples it saw, the probe arms, the result
         self._fits_key: tuple = ()
@@ -687,7 +720,7 @@ class SpecController:
     ) -> None:
         """One ``propose`` call of ``proposer``: ``tokens`` asked in all (Σ caps), ``chain`` the
         longest cap, ``backlog`` positions it had queued, taking ``seconds``."""
-        self.draft_cost[proposer].observe(tokens, chain, backlog, seconds)
+        self.draft_cost[proposer].observe(tokens, chain, backlog, seconds, at=self._decode_steps)
 
     def record(self, arm: Arm, k_used: int, emitted: int) -> None:
         """One sequence's verification under ``arm``: it drafted ``k_used`` tokens and emitted
@@ -711,8 +744,9 @@ class SpecController:
             self._run_length, self._after_switch = 1, last is not None
         settling = self._after_switch and self._run_length <= SETTLE_STEPS[speculative]
         self.switch_steps += settling
+        self._decode_steps += 1
         if seconds is not None and not settling:
-            self.cost.observe(tokens, padded, float(speculative), seconds)
+            self.cost.observe(tokens, padded, float(speculative), seconds, at=self._decode_steps)
 
     def record_finished(self, output_tokens: int) -> None:
         """A sequence finished with ``output_tokens`` generated (the length model)."""
