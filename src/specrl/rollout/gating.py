@@ -500,6 +500,10 @@ class SpecController:
         self._secs_seen: dict[Arm, int] = {}
         self._probe_arms: tuple[Arm, ...] = ()
         self._steady_value: tuple = ()
+        self._recorded = 0  # verifications recorded (any arm): _steady's acceptance check
+        self._recorded_seen = -1
+        # per batch size: the gate-off wait its last probe check asked for, and the fits then
+        self._probe_wait: dict[int, tuple[float, tuple]] = {}
 
     def plain_seconds(self, batch_size: int) -> float:
         """Predicted time of a plain decode step of ``batch_size`` sequences."""
@@ -554,16 +558,19 @@ class SpecController:
         if fits != self._fits_key:
             self._fits_key = fits
             self._secs, self._secs_seen = {}, {}
+            self._recorded_seen = -1  # every arm's step time anew
             bar = 1 + self.gate.hysteresis  # ceilings need no acceptance estimate
             self._probe_arms = tuple(a for a in self.arms if self.ceiling(batch_size, a) > bar)
             self._steady_value = ()
         secs, seen = self._secs, self._secs_seen
-        for arm in self.arms:
-            version = self._shape[arm].emitted.count
-            if seen.get(arm) != version:
-                secs[arm] = self._step_seconds(batch_size, arm)
-                seen[arm] = version
-                self._steady_value = ()
+        if self._recorded != self._recorded_seen:  # some acceptance estimate changed
+            self._recorded_seen = self._recorded
+            for arm in self.arms:
+                version = self._shape[arm].emitted.count
+                if seen.get(arm) != version:
+                    secs[arm] = self._step_seconds(batch_size, arm)
+                    seen[arm] = version
+                    self._steady_value = ()
         if not self._steady_value:
             t_plain = self.plain_seconds(batch_size)
 
@@ -681,7 +688,12 @@ class SpecController:
                 waited = self._plain_runs[batch_size] = self._plain_runs.get(batch_size, 0) + 1
                 if self.probe <= 0 or not probe_arms:
                     return self._plain()
-                if waited < PROBE_STEPS / self.probe:  # the shortest wait, whatever S₁ is
+                # the shortest wait whatever S₁ is, or the one the last check asked for while
+                # the fits stay as they were: then S₁ only falls (the backlog grows; no
+                # acceptance is learned while off), so the check (a backlog count, its
+                # catch-up) could not start a probe before
+                wait, fits = self._probe_wait.get(batch_size, (0.0, None))
+                if waited < (wait if fits == self._fits_key else PROBE_STEPS / self.probe):
                     return self._plain()
                 arm = max(probe_arms, key=lambda a: secs[a][0] / secs[a][1])  # best steady rate
                 tau, t = secs[arm]
@@ -692,11 +704,15 @@ class SpecController:
                         arm, batch_size, backlog.get(arm.proposer, 0)
                     )
                 s1 = tau * t_plain / t if t > 0 else float("inf")
-                if waited < PROBE_STEPS * max(1.0, (1 - s1) / h) / self.probe:
+                wait = PROBE_STEPS * max(1.0, (1 - s1) / h) / self.probe
+                if waited < wait:
+                    self._probe_wait[batch_size] = (wait, self._fits_key)
                     return self._plain()
+                self._probe_wait.pop(batch_size, None)
                 self._probe_left, self._probe_plain = PROBE_STEPS - 1, False
                 allowed = probe_arms
         self._plain_runs[batch_size] = 0
+        self._probe_wait.pop(batch_size, None)
         self.spec_steps += 1
         if rates is None:
             rates = {
@@ -728,6 +744,7 @@ class SpecController:
         shape = self._shape[arm]
         shape.emitted.add(emitted)
         shape.fed.add(k_used + 1)
+        self._recorded += 1
 
     def record_step(self, tokens: int, padded: int, seconds: float | None, batch_size: int) -> None:
         """Target time of one decode step of ``batch_size`` sequences (its prefill and
