@@ -420,11 +420,11 @@ class _ArmShape:
 ARM_MEMORY = 128  # verifications an arm's acceptance estimate averages over (then an EMA)
 # Steps right after a switch between plain and speculative steps are no timing sample: they pay
 # the switch.  A speculative step after plain ones pays its drafter's catch-up (and cold caches)
-# once; plain steps after speculative ones run slower for several steps (on CPU, the toy target
-# at batch 1: +12 % over the first four after 40 speculative steps, then steady; a plain probe
-# timed on its second step made plain decoding look dearer than it is, and speculation that lost
-# ~15 % look like a win).  So a step is a sample once its run of one kind is longer than
-# SETTLE_STEPS[kind], and a probe runs one step past its settling.
+# once; plain steps after speculative ones can run slower for several steps
+# (``benchmarks/switch_settling.py``, CPU, toy target at batch 1, plain steps after 40
+# speculative ones against a plain engine's step: the 1st +6 to +31 %, the 2nd to 4th −4 to
+# +11 % depending on the run, from the 5th on within the noise).  So a step is a sample once its
+# run of one kind is longer than SETTLE_STEPS[kind], and a probe runs past its settling.
 SETTLE_STEPS = {True: 1, False: 4}  # speculative?: steps of a run after a switch not timed
 PROBE_STEPS = SETTLE_STEPS[True] + 1  # a gate-off (speculative) probe
 PLAIN_PROBE_STEPS = SETTLE_STEPS[False] + 2  # a gate-on (plain) probe: two timed steps
