@@ -118,6 +118,37 @@ def test_cached_attention_shared_rows_and_additive_mask(lens, window):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    ("lens", "prefix", "kv_len"),
+    [
+        ([1] * 5, [0, 3, 7, 7, 12], 13),  # decoding: one new token each
+        ([5, 2, 5], [9, 0, 30], 36),  # verification rows, ragged
+        ([3], [300], 303),  # past the offset table's first width
+        ([70, 4], [0, 10], 70),  # a prefill longer than the table's rows
+    ],
+    ids=["decode", "verify", "wide", "long-prefill"],
+)
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("dtype", [None, torch.float32, torch.float64])
+def test_cache_mask_matches_its_definition(lens, prefix, kv_len, window, dtype):
+    """Key l is visible to new token j of sequence b iff l ≤ prefix_b + j (and, with a
+    window, prefix_b + j − l < window); bool, or 0 / −inf in a float dtype; [B, 1, M, L]."""
+    layout = PackedLayout.from_lengths(lens)
+    m = max(lens)
+    ref = torch.zeros(len(lens), 1, m, kv_len, dtype=torch.bool)
+    for b, p in enumerate(prefix):
+        for j in range(m):
+            for key in range(kv_len):
+                ref[b, 0, j, key] = key <= p + j and (window is None or p + j - key < window)
+    for _ in range(2):  # a second call reuses the offset table
+        mask = kernels.cache_mask(layout, torch.tensor(prefix), kv_len, window, dtype)
+        if dtype is None:
+            assert mask.dtype == torch.bool and torch.equal(mask, ref)
+        else:
+            additive = torch.zeros(ref.shape, dtype=dtype).masked_fill(~ref, -math.inf)
+            assert mask.dtype == dtype and torch.equal(mask, additive)
+
+
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (6, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("additive", [False, True])

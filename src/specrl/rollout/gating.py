@@ -96,13 +96,14 @@ class CostModel:
     steps left to fit, could not tell the fixed cost from the per-token one at a constant
     batch size).
 
-    ``max_age``: observations older than that many later observations (of any kind) leave
-    their window, down to ``min_keep`` per window.  A rare kind's window would otherwise span
-    a far longer time than the common kind's (with the gate on, 256 plain samples from probes
-    are ~16 000 steps), and a shared machine's speed drifts over such spans (here ±30 % between
-    minutes): the fit would then compare one kind's cost on today's machine with the other's
-    averaged over a long past — a drift-sized error in the speedup, which at break-even
-    decides the gate.
+    ``max_age``: observations more than ``max_age`` older than the newest one (on the clock
+    ``observe(at=...)`` gives; by default the count of observations of any kind) leave their
+    window, down to ``min_keep`` per window.  A rare kind's window would otherwise span a far
+    longer time than the common kind's (with the gate on, 256 plain samples from probes are
+    ~16 000 steps), and a shared machine's speed drifts over such spans (here by tens of
+    percent between minutes): the fit would then compare one kind's cost on today's machine
+    with the other's averaged over a long past — a drift-sized error in the speedup, which at
+    break-even decides the gate.
     """
 
     REFIT_DIVISOR = 16

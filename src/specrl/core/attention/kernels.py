@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from functools import lru_cache
 
@@ -108,6 +109,27 @@ def flex_packed(
     return out[0].transpose(0, 1), lse[0].transpose(0, 1).float()
 
 
+# (device) → offs[j, l] = l − j, grown on demand: cache_mask slices it instead of building two
+# aranges and their difference every forward (for up to _OFFSET_ROWS new tokens per sequence)
+_OFFSETS: dict[torch.device, torch.Tensor] = {}
+_OFFSET_ROWS = 64
+
+
+def _offsets(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """[rows, cols] int64 table of l − j (a view; computed afresh inside a compiled graph,
+    which must not read module state that changes)."""
+    if rows > _OFFSET_ROWS or torch.compiler.is_compiling():  # long prefill: no table kept
+        return (
+            torch.arange(cols, device=device)[None, :] - torch.arange(rows, device=device)[:, None]
+        )
+    table = _OFFSETS.get(device)
+    if table is None or table.shape[1] < cols:
+        width = max(cols, 2 * (table.shape[1] if table is not None else 256))
+        ar = torch.arange(width, device=device)
+        table = _OFFSETS[device] = ar[None, :] - ar[:_OFFSET_ROWS, None]
+    return table[:rows, :cols]
+
+
 def cache_mask(
     layout: PackedLayout,
     prefix_lens: torch.Tensor,
@@ -120,17 +142,28 @@ def cache_mask(
     bool (True: attend), or with a float ``dtype`` the additive form (0 / −inf) that SDPA
     otherwise derives from a bool mask on every call: a forward builds it once for all its
     layers."""
-    m = layout.max_seqlen
     device = prefix_lens.device
-    q_pos = prefix_lens[:, None] + torch.arange(m, device=device)[None, :]  # [B, M]
-    k_pos = torch.arange(max_kv_len, device=device)
-    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, M, L]
+    # key l against new token j of sequence b: rel = l − (prefix_b + j)
+    rel = _offsets(layout.max_seqlen, max_kv_len, device)[None] - prefix_lens[:, None, None]
+    mask = rel <= 0
     if window is not None:
-        mask &= (q_pos[:, :, None] - k_pos[None, None, :]) < window
+        mask &= rel > -window  # (prefix_b + j) − l < window
     mask = mask[:, None]
     if dtype is None:
         return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
+    if torch.compiler.is_compiling():
+        return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, -math.inf)
+    zero, neg_inf = _mask_values(dtype, device)
+    return torch.where(mask, zero, neg_inf)
+
+
+@lru_cache(maxsize=16)
+def _mask_values(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """0 and −inf as 0-d tensors of ``dtype`` (the additive mask's two values)."""
+    return (
+        torch.zeros((), dtype=dtype, device=device),
+        torch.full((), float("-inf"), dtype=dtype, device=device),
+    )
 
 
 def cache_rows(
