@@ -422,8 +422,8 @@ ARM_MEMORY = 128  # verifications an arm's acceptance estimate averages over (th
 # Steps right after a switch between plain and speculative steps are no timing sample: they pay
 # the switch.  A speculative step after plain ones pays its drafter's catch-up (and cold caches)
 # once; plain steps after speculative ones can run slower for several steps
-# (``benchmarks/switch_settling.py``, CPU, toy target at batch 1, plain steps after 40
-# speculative ones against a plain engine's step: the 1st +6 to +31 %, the 2nd to 4th −4 to
+# (``benchmarks/switch_settling.py``, CPU, toy targets at batch 1, plain steps after 40
+# speculative ones against a plain engine's step: the 1st +2 to +31 %, the 2nd to 4th −4 to
 # +11 % depending on the run, from the 5th on within the noise).  So a step is a sample once its
 # run of one kind is longer than SETTLE_STEPS[kind], and a probe runs past its settling.
 SETTLE_STEPS = {True: 1, False: 4}  # speculative?: steps of a run after a switch not timed
@@ -783,7 +783,7 @@ class SpecController:
             "gate_on_batch_sizes": sorted(b for b, on in self.gate.states.items() if on),
             "spec_steps": self.spec_steps,  # speculative decode steps (probes included)
             "plain_steps": self.plain_steps,
-            "switch_steps": self.switch_steps,  # steps of the other kind than the one before
+            "switch_steps": self.switch_steps,  # settling after a switch of kind (not timed)
             "cost_model": fit(self.cost, step_names),
             "draft_cost": {
                 name: fit(
