@@ -123,10 +123,11 @@ def test_cached_attention_shared_rows_and_additive_mask(lens, window):
     [
         ([1] * 5, [0, 3, 7, 7, 12], 13),  # decoding: one new token each
         ([5, 2, 5], [9, 0, 30], 36),  # verification rows, ragged
-        ([3], [300], 303),  # past the offset table's first width
+        ([3], [1000], 1003),  # past the offset table's first width: it grows
         ([70, 4], [0, 10], 70),  # a prefill longer than the table's rows
+        ([2], [8200], 8202),  # a context past the table's width cap
     ],
-    ids=["decode", "verify", "wide", "long-prefill"],
+    ids=["decode", "verify", "wide", "long-prefill", "long-context"],
 )
 @pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("dtype", [None, torch.float32, torch.float64])

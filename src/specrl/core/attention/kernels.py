@@ -109,22 +109,24 @@ def flex_packed(
     return out[0].transpose(0, 1), lse[0].transpose(0, 1).float()
 
 
-# (device) → offs[j, l] = l − j, grown on demand: cache_mask slices it instead of building two
-# aranges and their difference every forward (for up to _OFFSET_ROWS new tokens per sequence)
+# (device) → offs[j, l] = l − j for j < _OFFSET_ROWS, l < its width (grown on demand up to
+# _OFFSET_COLS: at most 4 MiB): cache_mask slices it instead of building two aranges and their
+# difference every forward
 _OFFSETS: dict[torch.device, torch.Tensor] = {}
-_OFFSET_ROWS = 64
+_OFFSET_ROWS, _OFFSET_COLS = 64, 8192
 
 
 def _offsets(rows: int, cols: int, device: torch.device) -> torch.Tensor:
-    """[rows, cols] int64 table of l − j (a view; computed afresh inside a compiled graph,
-    which must not read module state that changes)."""
-    if rows > _OFFSET_ROWS or torch.compiler.is_compiling():  # long prefill: no table kept
+    """[rows, cols] int64 l − j (a view of the table where it fits; computed afresh for long
+    prefills and contexts, and inside a compiled graph, which must not read module state that
+    changes)."""
+    if rows > _OFFSET_ROWS or cols > _OFFSET_COLS or torch.compiler.is_compiling():
         return (
             torch.arange(cols, device=device)[None, :] - torch.arange(rows, device=device)[:, None]
         )
     table = _OFFSETS.get(device)
     if table is None or table.shape[1] < cols:
-        width = max(cols, 2 * (table.shape[1] if table is not None else 256))
+        width = min(max(cols, 2 * (table.shape[1] if table is not None else 256)), _OFFSET_COLS)
         ar = torch.arange(width, device=device)
         table = _OFFSETS[device] = ar[None, :] - ar[:_OFFSET_ROWS, None]
     return table[:rows, :cols]
