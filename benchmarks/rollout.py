@@ -63,6 +63,7 @@ from pathlib import Path
 
 import torch
 
+from specrl.config.loader import atomic_write_text
 from specrl.models.checkpoint import load_model, load_tokenizer
 from specrl.models.decoder import Transformer
 from specrl.models.tokenizer import TextCodec
@@ -457,11 +458,8 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "date": time.strftime("%Y-%m-%d"),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
     payload = {"meta": meta, "rows": rows, "targets": checks}
-    tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, args.out)
+    atomic_write_text(args.out, json.dumps(payload, indent=2) + "\n")
 
 
 if __name__ == "__main__":

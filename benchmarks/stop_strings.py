@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.engine_paths import markdown, render
+from specrl.config.loader import atomic_write_text
 from specrl.models.checkpoint import load_tokenizer
 from specrl.models.tokenizer import TextCodec
 from specrl.rollout.engine import stop_string_hit
@@ -127,10 +128,7 @@ def main() -> None:
         "rounds": args.rounds,
         "torch": torch.__version__,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    tmp.replace(args.out)
+    atomic_write_text(args.out, json.dumps({"meta": meta, "rows": rows}, indent=1))
     if args.markdown:
         print(markdown(rows))
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.rollout import prompt_set
+from specrl.config.loader import atomic_write_text
 from specrl.models.checkpoint import load_model, load_tokenizer
 from specrl.models.tokenizer import TextCodec
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
@@ -171,10 +171,7 @@ def main() -> None:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, args.out)
+    atomic_write_text(args.out, json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
