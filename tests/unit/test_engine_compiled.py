@@ -49,15 +49,37 @@ MIXED = [  # uneven lengths: sequences finish at different steps, slots move, ba
 ]
 
 
+def _replay(controller, plans: list, record: bool) -> None:
+    """Record the controller's plans into ``plans``, or replay them in order."""
+    plan = controller.plan
+
+    def recorded(batch_size, *args, **kwargs):
+        arms = plan(batch_size, *args, **kwargs)
+        plans.append((batch_size, arms))
+        return arms
+
+    def replayed(batch_size, *args, **kwargs):
+        size, arms = plans[replayed.step]
+        assert size == batch_size, f"step {replayed.step}: batch {batch_size}, recorded {size}"
+        replayed.step += 1
+        return arms
+
+    replayed.step = 0
+    controller.plan = recorded if record else replayed
+
+
 @needs_cxx
 @pytest.mark.parametrize(
     "proposers", [(), ("ngram", "test-garbage", "test-randq")], ids=["plain", "best-of-n"]
 )
 def test_compiled_engine_emits_what_the_eager_engine_emits(model, proposers):
     spec = SpecConfig(proposers=proposers, max_k=3, gate=False) if proposers else None
-    out = {}
+    out, plans = {}, []
     for compiled in (False, True):
         engine = make_engine(model, max_batch_size=3, spec=spec, compile=compiled)
+        if proposers:  # the same arms: the bandit's values follow the step timings, and steps
+            # that compile a graph are no timing sample, so the fits (and arms) would differ
+            _replay(engine.controller, plans, record=not compiled)
         out[compiled] = engine.generate(requests(MIXED))
     assert engine.stats()["compiled_graphs"] > 0  # this run compiled (M > 1 is new for best-of-n)
     assert engine._compiled.unguarded > 0  # and most steps skipped dynamo's guards
@@ -181,11 +203,6 @@ def test_warmup_covers_the_eagle3_drafter_greedy_and_sampled():
     spec = SpecConfig(
         proposers=("eagle3",), max_k=3, gate=False, proposer_options={"eagle3": {"draft": draft}}
     )
-    engine = make_engine(target, max_batch_size=3, spec=spec, compile=True)
-    assert engine.warmup() > 0
-    eagle3 = engine.proposers["eagle3"]
-    graphs = eagle3.compiled_graphs
-    assert graphs > 0
     # greedy and sampled rows mixed, batches of 1 to 3, chains cut short near max_tokens
     params = [
         greedy(12),
@@ -193,12 +210,24 @@ def test_warmup_covers_the_eagle3_drafter_greedy_and_sampled():
         SamplingParams(max_tokens=5, temperature=1.0, seed=2),
         greedy(7),
     ]
+    eager, plans = make_engine(target, max_batch_size=3, spec=spec), []
+    _replay(eager.controller, plans, record=True)
+    reference = eager.generate(requests(params))
+    engine = make_engine(target, max_batch_size=3, spec=spec, compile=True)
+    assert engine.warmup() > 0  # (and restores the decision state it used)
+    eagle3 = engine.proposers["eagle3"]
+    graphs = eagle3.compiled_graphs
+    assert graphs > 0
+    _replay(engine.controller, plans, record=False)
     with torch.compiler.set_stance("fail_on_recompile"):
         out = engine.generate(requests(params))
     assert eagle3.compiled_graphs == graphs
+    # the eager engine's tokens, sampled rows too: the compiled round drafts the same tokens
+    # with the same q and generator draws (greedy rows are the reference decode as well)
+    assert [r.tokens for r in out] == [r.tokens for r in reference]
     for i in (0, 4):
         assert out[i].tokens == generate(target, [out[i].prompt_tokens], len(out[i].tokens))[0]
-    assert engine.stats()["spec"]["accepted"] > 0
+    assert engine.stats()["spec"]["draft_tokens"] > 0
 
 
 @needs_cxx

@@ -132,7 +132,7 @@ class SpecConfig:
     """Speculation settings of an engine (``RolloutEngine(spec=None)`` decodes plainly)."""
 
     proposers: tuple[str, ...] = ("ngram",)  # registry names; the bandit chooses among them
-    max_k: int = 4  # longest draft; the bandit tries powers of two below it and max_k
+    max_k: int = 4  # longest draft; the bandit chooses k in 1 … max_k
     proposer_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     gate: bool = True  # batch-size gate from the online cost model (False: always speculate)
     epsilon: float = 0.1  # bandit exploration rate
@@ -952,7 +952,7 @@ class RolloutEngine:
                 continue
             k_used = launch.num_rows[b] - 1
             emitted = host["num_accepted"][b] + 1
-            self.controller.record(arm, k_used, emitted)
+            self.controller.record(arm, k_used, emitted, launch.caps[b])
 
     def warmup(self) -> int:
         """Compile the decode graphs now rather than in the first requests (``compile=True``;

@@ -24,12 +24,14 @@ small pieces decide, all online, all deterministic given a seed and the measured
   with; ε-greedy (TLT's choice, ε = 0.1) whose exploration skips clearly worse arms most of the
   time, so it costs ≤ ε·gap on average.  An arm's value at batch size B is the throughput it
   would give the whole batch, B·τ̂ / (t_s(B·f̂, B·(k + 1)) + d(B·k, k, B·τ̂) + X/n): τ̂ tokens
-  emitted and f̂ fed per verification, learned per arm over all batch sizes (acceptance does
-  not depend on B), d the proposer's drafting time for a call in which the whole batch drafts
-  k tokens, X the one-off catch-up of its backlog spread over the n steps the batch's remaining
-  tokens last — so each arm is charged what it costs once exploited, not what a step that
-  explored it happened to pay.  A long k wins in the latency-bound tail, a short one (or none,
-  via the gate) in a full batch, and an expensive drafter only where its acceptance pays for it.
+  emitted and f̂ fed per verification, from the proposer's acceptance per draft position
+  (:class:`ChainAcceptance`: one estimate serves every k) learned over all batch sizes
+  (acceptance does not depend on B), d the proposer's drafting time for a call in which the
+  whole batch drafts k tokens, X the one-off catch-up of its backlog spread over the n steps
+  the batch's remaining tokens last — so each arm is charged what it costs once exploited,
+  not what a step that explored it happened to pay.  A long k wins in the latency-bound tail,
+  a short one (or none, via the gate) in a full batch, and an expensive drafter only where its
+  acceptance pays for it.
 - :class:`SpeculationGate`: speculation on or off for the step, from the expected speedup
   S(B) = max over arms of the arm's value · t_p(B) / B (t_p the plain step's predicted time)
   with hysteresis, one state per batch size: off below 1, on again above 1 + h.  Probes keep
@@ -47,7 +49,6 @@ import itertools
 import random
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 
@@ -63,14 +64,11 @@ class Arm(NamedTuple):
 
 
 def k_choices(max_k: int) -> tuple[int, ...]:
-    """Draft lengths the bandit tries: powers of two below ``max_k``, and ``max_k`` itself."""
+    """Draft lengths the bandit chooses from: every k in 1 … ``max_k`` (one acceptance estimate
+    per draft position serves them all, :class:`ChainAcceptance`)."""
     if max_k < 1:
         raise ValueError(f"max k must be ≥ 1, got {max_k}")
-    ks, k = [], 1
-    while k < max_k:
-        ks.append(k)
-        k *= 2
-    return (*ks, max_k)
+    return tuple(range(1, max_k + 1))
 
 
 class CostModel:
@@ -410,15 +408,63 @@ class SpeculationGate:
         return on
 
 
-@dataclass
-class _ArmShape:
-    """Running means per verification under one arm (cases with k_used = 0 included)."""
-
-    emitted: RunningMean  # tokens emitted: τ̂
-    fed: RunningMean  # tokens fed, k_used + 1
+ARM_MEMORY = 128  # verifications an acceptance estimate averages over (then an EMA)
 
 
-ARM_MEMORY = 128  # verifications an arm's acceptance estimate averages over (then an EMA)
+class ChainAcceptance:
+    """One proposer's acceptance per draft position, shared by all its draft lengths k.
+
+    A draft is verified token by token: whether its first j tokens are accepted does not depend
+    on how many were drafted after them (greedy stops at the first mismatch, the ratio test at
+    position j sees only the prefix), and a drafter asked for fewer tokens drafts the same first
+    ones (a chain stops, it does not change course).  So with A_j = P(at least j tokens
+    accepted) and D_j = P(at least j drafted), each over the verifications whose cap reached j,
+    a draft capped at k emits τ̂(k) = 1 + Σ_{j≤k} A_j tokens and feeds f̂(k) = 1 + Σ_{j≤k} D_j:
+    every verification teaches every shorter k, so the bandit can offer every k, and exploring
+    the longest teaches them all.  (Estimated per arm instead, with k limited to powers of two,
+    toy-deep at batch 1 drafted 8 where 6 pays ~4 % more: docs/benchmarks.md, "Every k".)
+
+    Running means per position (EMAs after :data:`ARM_MEMORY` verifications: the policy and the
+    draft drift), made monotone (A_j ≤ A_{j−1}: their windows differ); a position no
+    verification reached yet counts as its predecessor (optimistic, the first as accepted).
+    """
+
+    def __init__(self, max_k: int, rate: float = 1.0 / ARM_MEMORY) -> None:
+        self.accepted = [RunningMean(rate) for _ in range(max_k)]
+        self.drafted = [RunningMean(rate) for _ in range(max_k)]
+        self.version = 0  # verifications recorded: the estimates change with each
+        self._table: list[tuple[float, float]] = []  # (τ̂, f̂) per k, rebuilt when stale
+        self._table_version = -1
+
+    def add(self, cap: int, k_used: int, emitted: int) -> None:
+        """One verification of a draft capped at ``cap`` tokens: ``k_used`` drafted,
+        ``emitted`` tokens emitted (accepted + 1)."""
+        accepted = emitted - 1
+        for j in range(min(cap, len(self.accepted))):
+            self.accepted[j].add(1.0 if accepted > j else 0.0)
+            self.drafted[j].add(1.0 if k_used > j else 0.0)
+        self.version += 1
+
+    def samples(self, k: int) -> int:
+        """Verifications that reached position k (how well τ̂(k) is known)."""
+        return self.accepted[k - 1].count
+
+    def estimate(self, k: int) -> tuple[float, float]:
+        """(τ̂, f̂): tokens emitted and fed per verification of a draft capped at ``k``."""
+        if self._table_version != self.version:
+            self._table, self._table_version = self._build(), self.version
+        return self._table[k - 1]
+
+    def _build(self) -> list[tuple[float, float]]:
+        table, tau, fed, a_prev, d_prev = [], 1.0, 1.0, 1.0, 1.0
+        for a, d in zip(self.accepted, self.drafted, strict=True):
+            if a.count:
+                a_prev, d_prev = min(a.value, a_prev), min(d.value, d_prev)
+            tau, fed = tau + a_prev, fed + d_prev
+            table.append((tau, fed))
+        return table
+
+
 # Steps right after a switch between plain and speculative steps are no timing sample: they pay
 # the switch.  A speculative step after plain ones pays its drafter's catch-up (and cold caches)
 # once; plain steps after speculative ones can run slower for several steps
@@ -443,8 +489,9 @@ class SpecController:
 
     The bandit's value of an arm at batch size B is the throughput it would give if the whole
     batch drafted with it, B·τ̂ / (t_s(B·f̂, B·(k + 1)) + d(B·k, k, B·τ̂) + X/n): acceptance
-    (τ̂, f̂) is learned per arm from every verification whatever the batch size (it does not
-    depend on B), the costs come from the fitted models, X is the one-off catch-up of the
+    (τ̂, f̂) comes from the proposer's acceptance per draft position, learned from every
+    verification whatever its k and batch size (:class:`ChainAcceptance`; it does not depend
+    on B), the costs come from the fitted models, X is the one-off catch-up of the
     proposer's backlog beyond its steady state (the positions an EAGLE-3 draft has not seen
     since the gate turned it off) spread over the n speculative steps the running sequences'
     remaining tokens are expected to last (:class:`LengthModel`).  So every batch size
@@ -490,8 +537,7 @@ class SpecController:
         self.spec_steps = 0
         self.plain_steps = 0
         self.selections: dict[str, int] = {str(a): 0 for a in self.arms}
-        rate = 1.0 / ARM_MEMORY
-        self._shape = {a: _ArmShape(RunningMean(rate), RunningMean(rate)) for a in self.arms}
+        self._accept = {p: ChainAcceptance(max_k) for p in proposers}
         self.draft_cost = {p: DraftCost(cost_window, cost_max_age) for p in proposers}
         self._decode_steps = 0  # the cost models' clock (CostModel.max_age)
         # cache of _steady: the fits it was computed with, each arm's step time and the
@@ -517,10 +563,7 @@ class SpecController:
 
     def _acceptance(self, arm: Arm) -> tuple[float, float]:
         """(τ̂, f̂): tokens emitted and fed per verification (untried: fully accepted)."""
-        shape = self._shape[arm]
-        if shape.emitted.count:
-            return shape.emitted.value, shape.fed.value
-        return arm.k + 1.0, arm.k + 1.0
+        return self._accept[arm.proposer].estimate(arm.k)
 
     def catch_up_seconds(self, arm: Arm, batch_size: int, backlog: int) -> float:
         """One-off cost of the ``backlog`` positions ``arm.proposer`` has queued for the batch,
@@ -567,7 +610,7 @@ class SpecController:
         if self._recorded != self._recorded_seen:  # some acceptance estimate changed
             self._recorded_seen = self._recorded
             for arm in self.arms:
-                version = self._shape[arm].emitted.count
+                version = self._accept[arm.proposer].version
                 if seen.get(arm) != version:
                     secs[arm] = self._step_seconds(batch_size, arm)
                     seen[arm] = version
@@ -722,7 +765,16 @@ class SpecController:
             }
         if allowed is not None:  # a gate-off probe: the arms that could turn the gate on
             rates = {arm: rates[arm] for arm in allowed}
-        samples = {arm: shape.emitted.count for arm, shape in self._shape.items()}
+        accept = self._accept
+        samples = {arm: accept[arm.proposer].samples(arm.k) for arm in rates}
+        young = self.bandit.min_samples
+        if any(n < young for n in samples.values()):
+            # the longest young draft of each proposer first: it teaches every shorter k
+            longest: dict[str, Arm] = {}
+            for arm, n in samples.items():
+                if n < young and arm.k > longest.get(arm.proposer, Arm("", 0)).k:
+                    longest[arm.proposer] = arm
+            rates = {arm: rates[arm] for arm in longest.values()}
         arm = self.bandit.choose(rates, samples)
         self.selections[str(arm)] += batch_size
         return [arm] * batch_size
@@ -739,12 +791,10 @@ class SpecController:
         longest cap, ``backlog`` positions it had queued, taking ``seconds``."""
         self.draft_cost[proposer].observe(tokens, chain, backlog, seconds, at=self._decode_steps)
 
-    def record(self, arm: Arm, k_used: int, emitted: int) -> None:
-        """One sequence's verification under ``arm``: it drafted ``k_used`` tokens and emitted
-        ``emitted``."""
-        shape = self._shape[arm]
-        shape.emitted.add(emitted)
-        shape.fed.add(k_used + 1)
+    def record(self, arm: Arm, k_used: int, emitted: int, cap: int | None = None) -> None:
+        """One sequence's verification under ``arm``: allowed ``cap`` draft tokens (default
+        ``arm.k``; fewer near its max_tokens), it drafted ``k_used`` and emitted ``emitted``."""
+        self._accept[arm.proposer].add(arm.k if cap is None else cap, k_used, emitted)
         self._recorded += 1
 
     def record_step(self, tokens: int, padded: int, seconds: float | None, batch_size: int) -> None:
