@@ -666,6 +666,32 @@ def test_controller_state_round_trips_through_json():
     assert restore(old) == Arm("ngram", 2) and type(restore(old)) is Arm
 
 
+def test_controller_state_from_before_per_position_acceptance_restores():
+    """A state saved when acceptance was kept per arm (``_shape``: arm → running means, a class
+    since removed) and the arms were powers of two restores: arms, gate and fits as saved, the
+    acceptance learned anew (and playable at once)."""
+    old = SpecController(["ngram"], 8, seed=2)
+    _simulate(old, batch=4, steps=60, a=1.0, b=0.1, alpha=0.6)
+    state = json.loads(json.dumps(snapshot(old)))
+    arms = [Arm("ngram", k) for k in (1, 2, 4, 8)]
+    mean = {"__obj__": "specrl.rollout.gating.RunningMean", "attrs": {"count": 3, "value": 2.0}}
+    shape = {"__obj__": "specrl.rollout.gating._ArmShape", "attrs": {"emitted": mean, "fed": mean}}
+    attrs = state["attrs"]
+    attrs["arms"] = snapshot(tuple(arms))
+    attrs["_shape"] = {"__map__": [[snapshot(a), shape] for a in arms], "kind": "dict"}
+    del attrs["_accept"]
+    fresh = SpecController(["ngram"], 8, seed=0)
+    restore(state, fresh)
+    assert fresh.arms == tuple(arms) and not hasattr(fresh, "_shape")
+    assert fresh.gate.states == old.gate.states
+    assert fresh.cost.coefficients() == old.cost.coefficients()
+    assert fresh._accept["ngram"].samples(1) == 0
+    before = dict(fresh.selections)
+    _simulate(fresh, batch=4, steps=40, a=1.0, b=0.1, alpha=0.6)
+    played = {arm for arm, n in fresh.selections.items() if n > before.get(arm, 0)}
+    assert played and played <= {str(a) for a in arms}
+
+
 # ------------------------------------------------------------------------- the engine, virtual time
 class VirtualClock:
     """Time that only target forwards advance: a + b·tokens each."""

@@ -552,6 +552,15 @@ class SpecController:
         # per batch size: the gate-off wait its last probe check asked for, and the fits then
         self._probe_wait: dict[int, tuple[float, tuple]] = {}
 
+    @staticmethod
+    def upgrade_state(attrs: dict) -> dict:
+        """A snapshot's attributes made current (:func:`specrl.rollout.state.restore`): states
+        saved before acceptance was estimated per draft position kept one estimate per arm
+        (``_shape``), which is dropped — the restored controller keeps its arms, gate and cost
+        fits and learns acceptance anew."""
+        attrs.pop("_shape", None)
+        return attrs
+
     def plain_seconds(self, batch_size: int) -> float:
         """Predicted time of a plain decode step of ``batch_size`` sequences."""
         return self.cost.predict(batch_size, batch_size, 0.0)

@@ -97,7 +97,11 @@ def restore(state: Any, into: Any = None) -> Any:
             return cls(**{k: restore(v) for k, v in state["attrs"].items()})
         obj = into if into is not None and hasattr(into, "__dict__") else _new(state["__obj__"])
         frozen = dataclasses.is_dataclass(obj) and type(obj).__dataclass_params__.frozen
-        for name, val in state["attrs"].items():
+        attrs = state["attrs"]
+        upgrade = getattr(cls, "upgrade_state", None)  # a class's older snapshots, made current
+        if upgrade is not None:
+            attrs = upgrade(dict(attrs))
+        for name, val in attrs.items():
             current = getattr(obj, name, None)
             keep_obj = (
                 current is not None
