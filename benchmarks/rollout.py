@@ -70,7 +70,7 @@ from specrl.models.tokenizer import TextCodec
 from specrl.rl.tasks import AdditionTask
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 
-MAX_K = 8  # the bandit tries k = 1, 2, 4, 8 (powers of two up to it)
+MAX_K = 8  # the bandit chooses k in 1 … 8
 SPECRL = ("specrl plain", "specrl ngram", "specrl eagle3", "specrl best-of-N")
 COMPILED = ("specrl plain compiled", "specrl best-of-N compiled")
 HF = ("hf plain", "hf prompt lookup")

@@ -482,6 +482,11 @@ def test_bad_requests_and_registry_errors():
         make_engine(tiny(), spec=SpecConfig(proposers=("nope",)))
     with pytest.raises(ConfigError, match="bad options"):
         build_proposer("test-garbage", None, colour="red")  # type: ignore[arg-type]
+    for spec in (SpecConfig(max_k=0), SpecConfig(max_k=4, draft_lengths=(2, 5))):
+        with pytest.raises(ConfigError, match=r"max k must|draft_lengths must"):
+            make_engine(tiny(), spec=spec)
+    engine = make_engine(tiny(), spec=SpecConfig(("ngram",), max_k=8, draft_lengths=(8, 2, 2)))
+    assert [arm.k for arm in engine.controller.arms] == [2, 8]
     with pytest.raises(ValueError, match="already registered"):
         register_proposer("test-garbage", lambda ctx: None)
 

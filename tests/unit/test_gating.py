@@ -213,6 +213,14 @@ def test_controller_learns_every_k_from_the_longest_draft_before_trusting_one_un
     assert picks.count(Arm("x", 4)) > 0.85 * 40
 
 
+def test_controller_draft_lengths_restrict_the_arms():
+    ctrl = SpecController(["x", "y"], 8, ks=(8, 2, 4, 2, 1), gate=False)
+    assert ctrl.arms == tuple(Arm(p, k) for p in "xy" for k in (1, 2, 4, 8))
+    for ks in ((5,), (), (0, 1)):
+        with pytest.raises(ValueError, match="draft lengths"):
+            SpecController(["x"], 4, ks=ks)
+
+
 def test_chain_acceptance_serves_every_k_from_positions():
     """τ̂(k) = 1 + Σ_{j≤k} A_j and f̂(k) = 1 + Σ_{j≤k} D_j from the verifications whose cap
     reached each position; unseen positions take their predecessor's value, and the

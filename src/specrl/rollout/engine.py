@@ -133,6 +133,7 @@ class SpecConfig:
 
     proposers: tuple[str, ...] = ("ngram",)  # registry names; the bandit chooses among them
     max_k: int = 4  # longest draft; the bandit chooses k in 1 … max_k
+    draft_lengths: tuple[int, ...] | None = None  # the k it may choose (None: all of 1 … max_k)
     proposer_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     gate: bool = True  # batch-size gate from the online cost model (False: always speculate)
     epsilon: float = 0.1  # bandit exploration rate
@@ -265,6 +266,11 @@ class RolloutEngine:
         self.spec = spec = spec if spec is not None else SpecConfig(proposers=())
         if spec.max_k < 1:
             raise ConfigError(f"max k must be ≥ 1, got {spec.max_k}")
+        lengths = spec.draft_lengths
+        if lengths is not None and (not lengths or not all(1 <= k <= spec.max_k for k in lengths)):
+            raise ConfigError(
+                f"draft_lengths must be draft lengths in 1 … max_k = {spec.max_k}, got {lengths}"
+            )
         self._compiled = CompiledDecode(model) if compile else None
         # verification and logprobs (the processed p comes in: its flags follow the requests'
         # sampling parameters and would multiply the graph classes)
@@ -283,6 +289,7 @@ class RolloutEngine:
         self.controller = SpecController(
             list(self.proposers),
             spec.max_k,
+            ks=spec.draft_lengths,
             epsilon=spec.epsilon,
             hysteresis=spec.hysteresis,
             probe=spec.probe,

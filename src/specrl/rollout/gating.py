@@ -509,6 +509,7 @@ class SpecController:
         proposers: Sequence[str],
         max_k: int,
         *,
+        ks: Sequence[int] | None = None,
         epsilon: float = 0.1,
         hysteresis: float = 0.1,
         probe: float = 0.05,
@@ -517,7 +518,10 @@ class SpecController:
         gate: bool = True,
         seed: int = 0,
     ) -> None:
-        self.arms = tuple(Arm(p, k) for p in proposers for k in k_choices(max_k))
+        if ks is not None and (not ks or not all(1 <= k <= max_k for k in ks)):
+            raise ValueError(f"draft lengths must lie in 1 … {max_k}, got {ks}")
+        ks = k_choices(max_k) if ks is None else sorted(set(ks))
+        self.arms = tuple(Arm(p, k) for p in proposers for k in ks)
         # (T, P, speculative) → seconds; the speculative steps keep a window of their own
         self.cost = CostModel(cost_window, features=3, split=3, max_age=cost_max_age)
         self.lengths = LengthModel()
