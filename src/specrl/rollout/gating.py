@@ -589,17 +589,35 @@ class SpecController:
     def _step_seconds(self, batch_size: int, arm: Arm) -> tuple[float, float]:
         """(τ̂, predicted seconds of a steady-state step in which all ``batch_size`` sequences
         draft with ``arm``: target plus drafting)."""
-        tau, fed = self._acceptance(arm)
-        spec = self.spec_seconds(batch_size * fed, batch_size * (arm.k + 1))
-        return tau, spec + self.draft_seconds(arm, batch_size)
+        _, tau, t = self._arm_costs(batch_size, (arm,))[arm]
+        return tau, t
 
     def ceiling(self, batch_size: int, arm: Arm) -> float:
         """The speedup ``arm`` would give at ``batch_size`` in steady state if every draft were
         accepted (τ̂ = f̂ = k + 1): no acceptance it may reach lifts S above this."""
-        n = arm.k + 1
-        t = self.spec_seconds(batch_size * n, batch_size * n)
-        t += self.draft_cost[arm.proposer].predict(batch_size * arm.k, arm.k, batch_size * n)
-        return n * self.plain_seconds(batch_size) / t if t > 0 else float("inf")
+        return self._arm_costs(batch_size, (arm,))[arm][0]
+
+    def _arm_costs(
+        self, batch_size: int, arms: Sequence[Arm]
+    ) -> dict[Arm, tuple[float, float, float]]:
+        """Per arm: (:meth:`ceiling`, τ̂, predicted seconds of its steady-state step) — the
+        step fit t_s(T, P) = a + b·T + c·P + s and each drafter's d(tokens, chain, backlog),
+        their coefficients read once (the gate re-prices every arm when a fit changes or the
+        batch size does, a few dozen arms)."""
+        a, b_tok, c_row, s_spec = self.cost.coefficients()
+        fixed = a + s_spec
+        t_plain = self.plain_seconds(batch_size)
+        drafts = {p: m.coefficients() for p, m in self.draft_cost.items()}
+        out = {}
+        for arm in arms:
+            d0, d_tok, d_chain, d_back = drafts[arm.proposer]
+            k, n = arm.k, arm.k + 1
+            base = fixed + c_row * batch_size * n + d0 + d_tok * batch_size * k + d_chain * k
+            full = base + (b_tok + d_back) * batch_size * n  # every draft accepted
+            ceiling = n * t_plain / full if full > 0 else float("inf")
+            tau, fed = self._acceptance(arm)
+            out[arm] = (ceiling, tau, base + b_tok * batch_size * fed + d_back * batch_size * tau)
+        return out
 
     def _steady(
         self, batch_size: int
@@ -613,21 +631,23 @@ class SpecController:
             model.coefficients()  # refit if due
         fits = (batch_size, self.cost.solves, *(m.solves for m in self.draft_cost.values()))
         if fits != self._fits_key:
-            self._fits_key = fits
-            self._secs, self._secs_seen = {}, {}
-            self._recorded_seen = -1  # every arm's step time anew
+            self._fits_key = fits  # every arm priced anew
             bar = 1 + self.gate.hysteresis  # ceilings need no acceptance estimate
-            self._probe_arms = tuple(a for a in self.arms if self.ceiling(batch_size, a) > bar)
+            costs = self._arm_costs(batch_size, self.arms)
+            self._probe_arms = tuple(a for a in self.arms if costs[a][0] > bar)
+            self._secs = {arm: (tau, t) for arm, (_, tau, t) in costs.items()}
+            self._secs_seen = {arm: self._accept[arm.proposer].version for arm in self.arms}
+            self._recorded_seen = self._recorded
             self._steady_value = ()
         secs, seen = self._secs, self._secs_seen
         if self._recorded != self._recorded_seen:  # some acceptance estimate changed
             self._recorded_seen = self._recorded
-            for arm in self.arms:
-                version = self._accept[arm.proposer].version
-                if seen.get(arm) != version:
-                    secs[arm] = self._step_seconds(batch_size, arm)
-                    seen[arm] = version
-                    self._steady_value = ()
+            stale = [a for a in self.arms if seen[a] != self._accept[a.proposer].version]
+            if stale:
+                for arm, (_, tau, t) in self._arm_costs(batch_size, stale).items():
+                    secs[arm] = (tau, t)
+                    seen[arm] = self._accept[arm.proposer].version
+                self._steady_value = ()
         if not self._steady_value:
             t_plain = self.plain_seconds(batch_size)
 
