@@ -221,6 +221,37 @@ def test_controller_draft_lengths_restrict_the_arms():
             SpecController(["x"], 4, ks=ks)
 
 
+def test_arm_costs_are_the_fits_predictions():
+    """The gate prices every arm in one pass over the fits' coefficients; each price must be
+    what the fits predict feature by feature: the steady step t_s(B·f̂, B·(k+1)) +
+    d(B·k, k, B·τ̂) and the ceiling's fully accepted step."""
+    rng = random.Random(1)
+    ctrl = SpecController(["x", "y"], 6, seed=0)
+    for _ in range(64):  # every coefficient of both fits non-zero
+        t, p, spec = rng.randint(1, 64), rng.randint(1, 64), rng.random() < 0.5
+        ctrl.cost.observe(t, p, float(spec), 0.5 + 0.01 * t + 0.02 * p + 0.3 * spec)
+        for name in ("x", "y"):
+            n, k, r = rng.randint(1, 40), rng.randint(1, 6), rng.randint(0, 90)
+            ctrl.draft_cost[name].observe(n, k, r, 0.1 + 0.01 * n + 0.05 * k + 0.002 * r)
+    for _ in range(30):
+        for name, p in (("x", 0.8), ("y", 0.3)):
+            acc = next((j for j in range(6) if rng.random() > p), 6)
+            ctrl.record(Arm(name, 6), 6, acc + 1)
+    assert all(c > 0 for c in ctrl.cost.coefficients())
+    assert all(c > 0 for m in ctrl.draft_cost.values() for c in m.coefficients())
+    for batch in (1, 8):
+        for arm in ctrl.arms:
+            tau, fed = ctrl._acceptance(arm)
+            n, draft = arm.k + 1, ctrl.draft_cost[arm.proposer]
+            step = ctrl.spec_seconds(batch * fed, batch * n)
+            step += draft.predict(batch * arm.k, arm.k, batch * tau)
+            full = ctrl.spec_seconds(batch * n, batch * n)
+            full += draft.predict(batch * arm.k, arm.k, batch * n)
+            assert ctrl._step_seconds(batch, arm) == pytest.approx((tau, step), rel=1e-12)
+            ceiling = n * ctrl.plain_seconds(batch) / full
+            assert ctrl.ceiling(batch, arm) == pytest.approx(ceiling, rel=1e-12)
+
+
 def test_chain_acceptance_serves_every_k_from_positions():
     """τ̂(k) = 1 + Σ_{j≤k} A_j and f̂(k) = 1 + Σ_{j≤k} D_j from the verifications whose cap
     reached each position; unseen positions take their predecessor's value, and the

@@ -421,8 +421,9 @@ class ChainAcceptance:
     accepted) and D_j = P(at least j drafted), each over the verifications whose cap reached j,
     a draft capped at k emits τ̂(k) = 1 + Σ_{j≤k} A_j tokens and feeds f̂(k) = 1 + Σ_{j≤k} D_j:
     every verification teaches every shorter k, so the bandit can offer every k, and exploring
-    the longest teaches them all.  (Estimated per arm instead, with k limited to powers of two,
-    toy-deep at batch 1 drafted 8 where 6 pays ~4 % more: docs/benchmarks.md, "Every k".)
+    the longest teaches them all.  (Estimated per arm, with k limited to powers of two, toy-deep's
+    best-of-N at batches 1 and 8 split its steps between k = 4 and 8 and ran 3–6 % slower than
+    with every k, where it drafts mostly 5–7: docs/benchmarks.md, "Every draft length k".)
 
     Running means per position (EMAs after :data:`ARM_MEMORY` verifications: the policy and the
     draft drift), made monotone (A_j ≤ A_{j−1}: their windows differ); a position no
@@ -642,7 +643,7 @@ class SpecController:
         secs, seen = self._secs, self._secs_seen
         if self._recorded != self._recorded_seen:  # some acceptance estimate changed
             self._recorded_seen = self._recorded
-            stale = [a for a in self.arms if seen[a] != self._accept[a.proposer].version]
+            stale = [a for a in self.arms if seen.get(a) != self._accept[a.proposer].version]
             if stale:
                 for arm, (_, tau, t) in self._arm_costs(batch_size, stale).items():
                     secs[arm] = (tau, t)
