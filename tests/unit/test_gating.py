@@ -217,7 +217,7 @@ def test_controller_draft_lengths_restrict_the_arms():
     ctrl = SpecController(["x", "y"], 8, ks=(8, 2, 4, 2, 1), gate=False)
     assert ctrl.arms == tuple(Arm(p, k) for p in "xy" for k in (1, 2, 4, 8))
     for ks in ((5,), (), (0, 1)):
-        with pytest.raises(ValueError, match="draft lengths"):
+        with pytest.raises(ValueError, match="draft_lengths"):
             SpecController(["x"], 4, ks=ks)
 
 

@@ -266,11 +266,6 @@ class RolloutEngine:
         self.spec = spec = spec if spec is not None else SpecConfig(proposers=())
         if spec.max_k < 1:
             raise ConfigError(f"max k must be ≥ 1, got {spec.max_k}")
-        lengths = spec.draft_lengths
-        if lengths is not None and (not lengths or not all(1 <= k <= spec.max_k for k in lengths)):
-            raise ConfigError(
-                f"draft_lengths must be draft lengths in 1 … max_k = {spec.max_k}, got {lengths}"
-            )
         self._compiled = CompiledDecode(model) if compile else None
         # verification and logprobs (the processed p comes in: its flags follow the requests'
         # sampling parameters and would multiply the graph classes)
@@ -286,17 +281,20 @@ class RolloutEngine:
             for name in spec.proposers
         }
         self.tap_layers = tuple(sorted({t for p in self.proposers.values() for t in p.tap_layers}))
-        self.controller = SpecController(
-            list(self.proposers),
-            spec.max_k,
-            ks=spec.draft_lengths,
-            epsilon=spec.epsilon,
-            hysteresis=spec.hysteresis,
-            probe=spec.probe,
-            cost_window=spec.cost_window,
-            gate=spec.gate,
-            seed=seed,
-        )
+        try:
+            self.controller = SpecController(
+                list(self.proposers),
+                spec.max_k,
+                ks=spec.draft_lengths,
+                epsilon=spec.epsilon,
+                hysteresis=spec.hysteresis,
+                probe=spec.probe,
+                cost_window=spec.cost_window,
+                gate=spec.gate,
+                seed=seed,
+            )
+        except ValueError as e:  # a SpecConfig field out of range (the message names it)
+            raise ConfigError(f"speculation settings: {e}") from None
         self.alarm = AcceptanceAlarm(spec.alarm_window, spec.alarm_tau)
         self.policy_version = 0
         self.draft_version = 0

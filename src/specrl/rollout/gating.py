@@ -431,8 +431,13 @@ class ChainAcceptance:
     """
 
     def __init__(self, max_k: int, rate: float = 1.0 / ARM_MEMORY) -> None:
-        self.accepted = [RunningMean(rate) for _ in range(max_k)]
-        self.drafted = [RunningMean(rate) for _ in range(max_k)]
+        # per position j (0-based): verifications that reached it, running means of
+        # [accepted > j] and [drafted > j] (RunningMean's rule; plain lists: the engine records
+        # every sequence of every speculative step, up to max_k positions each)
+        self.counts = [0] * max_k
+        self.accepted = [0.0] * max_k
+        self.drafted = [0.0] * max_k
+        self.rate = rate
         self.version = 0  # verifications recorded: the estimates change with each
         self._table: list[tuple[float, float]] = []  # (τ̂, f̂) per k, rebuilt when stale
         self._table_version = -1
@@ -441,14 +446,17 @@ class ChainAcceptance:
         """One verification of a draft capped at ``cap`` tokens: ``k_used`` drafted,
         ``emitted`` tokens emitted (accepted + 1)."""
         accepted = emitted - 1
-        for j in range(min(cap, len(self.accepted))):
-            self.accepted[j].add(1.0 if accepted > j else 0.0)
-            self.drafted[j].add(1.0 if k_used > j else 0.0)
+        counts, acc, drf, rate = self.counts, self.accepted, self.drafted, self.rate
+        for j in range(min(cap, len(counts))):
+            n = counts[j] = counts[j] + 1
+            w = max(1.0 / n, rate)
+            acc[j] += ((1.0 if accepted > j else 0.0) - acc[j]) * w
+            drf[j] += ((1.0 if k_used > j else 0.0) - drf[j]) * w
         self.version += 1
 
     def samples(self, k: int) -> int:
         """Verifications that reached position k (how well τ̂(k) is known)."""
-        return self.accepted[k - 1].count
+        return self.counts[k - 1]
 
     def estimate(self, k: int) -> tuple[float, float]:
         """(τ̂, f̂): tokens emitted and fed per verification of a draft capped at ``k``."""
@@ -458,9 +466,9 @@ class ChainAcceptance:
 
     def _build(self) -> list[tuple[float, float]]:
         table, tau, fed, a_prev, d_prev = [], 1.0, 1.0, 1.0, 1.0
-        for a, d in zip(self.accepted, self.drafted, strict=True):
-            if a.count:
-                a_prev, d_prev = min(a.value, a_prev), min(d.value, d_prev)
+        for n, a, d in zip(self.counts, self.accepted, self.drafted, strict=True):
+            if n:
+                a_prev, d_prev = min(a, a_prev), min(d, d_prev)
             tau, fed = tau + a_prev, fed + d_prev
             table.append((tau, fed))
         return table
@@ -520,7 +528,7 @@ class SpecController:
         seed: int = 0,
     ) -> None:
         if ks is not None and (not ks or not all(1 <= k <= max_k for k in ks)):
-            raise ValueError(f"draft lengths must lie in 1 … {max_k}, got {ks}")
+            raise ValueError(f"draft_lengths must lie in 1 … max_k = {max_k}, got {ks}")
         ks = k_choices(max_k) if ks is None else sorted(set(ks))
         self.arms = tuple(Arm(p, k) for p in proposers for k in ks)
         # (T, P, speculative) → seconds; the speculative steps keep a window of their own
