@@ -19,6 +19,7 @@ from specrl.models.presets import preset_config
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 from specrl.rollout.gating import (
     COST_MAX_AGE,
+    COST_WINDOW,
     PLAIN_PROBE_STEPS,
     PLAIN_SAMPLES,
     PROBE_STEPS,
@@ -115,8 +116,8 @@ def test_cost_model_split_window_keeps_the_rare_kind():
 
 
 def test_cost_model_refits_on_a_schedule_not_every_step():
-    """Asked every step, the fit is re-solved after max(1, n/16) new observations: at once
-    while the window is small, every 16th step once it holds 256."""
+    """Asked every step, the fit is re-solved after max(1, min(n/16, 32)) new observations: at
+    once while the window is small, every 16th step once it holds 256, every 32nd from 512."""
     cm = CostModel(window=256)
     for t in range(1, 300):
         cm.observe(t, t, 0.001 * t)
@@ -127,6 +128,15 @@ def test_cost_model_refits_on_a_schedule_not_every_step():
     for _ in range(15):
         cm.observe(10, 10, 0.01)
     assert cm.coefficients() != stale  # the 16th: re-solved
+
+    big = CostModel(window=4096)  # n/16 would wait 62 observations at n = 1000: capped at 32
+    for t in range(1000):
+        big.observe(t % 7, t % 7, 0.001 * (t % 7))
+    stale = big.coefficients()
+    for i in range(CostModel.REFIT_MAX_WAIT):
+        assert big.coefficients() == stale, i
+        big.observe(3, 3, 1.0)
+    assert big.coefficients() != stale
 
 
 def test_length_model_expects_the_tail_of_finished_lengths():
@@ -347,8 +357,9 @@ def test_gate_compares_plain_and_speculative_costs_measured_on_the_same_machine(
     Here the machine runs 1.5× slower for 3000 steps, then at full speed while the drafts'
     acceptance drops so that speculation loses (S = τ·t_p / t_s = 1.5 · 1.0 / 1.6 = 0.94).
     Aged out after COST_MAX_AGE steps, the slow plain samples leave the fit and the gate turns
-    off; kept (max_age None), they inflate t_p by ~25 % and the gate stays on."""
-    ctrl = SpecController(["x"], 1, probe=0.05, seed=0, cost_max_age=max_age)
+    off; kept (max_age None), they inflate t_p by ~25 % and the gate stays on.  (Windows of the
+    last 256 samples, as the fits had before :data:`COST_WINDOW`: the next test.)"""
+    ctrl = SpecController(["x"], 1, probe=0.05, seed=0, cost_window=256, cost_max_age=max_age)
     arm = Arm("x", 1)
     rng = random.Random(0)
 
@@ -367,6 +378,39 @@ def test_gate_compares_plain_and_speculative_costs_measured_on_the_same_machine(
     assert ctrl.gate.on is (max_age is None)
     if max_age is not None:
         assert ctrl.plain_seconds(1) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("window", [COST_WINDOW, 256])
+def test_gate_averages_both_kinds_of_step_over_the_same_steps(window):
+    """Drift within COST_MAX_AGE: the machine runs 1.5× slower for 1500 steps while speculation
+    wins (S = 1.25), then at full speed for 1000 while it loses (S = 0.94 at any one speed).
+    With windows larger than the samples COST_MAX_AGE steps hold, t_p and t_s both average over
+    the last COST_MAX_AGE steps, so their ratio is the machine-independent one and the gate
+    turns off.  With a window of the last 256 samples, t_s comes from the last ~270 steps (fast)
+    and t_p from the probes of the whole 2000 (half slow): S looks like 1.17 and the gate stays
+    on."""
+    ctrl = SpecController(["x"], 1, probe=0.05, seed=0, cost_window=window)
+    arm = Arm("x", 1)
+    rng = random.Random(0)
+
+    def run(steps: int, speed: float, accept: float) -> None:
+        for _ in range(steps):
+            arms = ctrl.plan(1)
+            if arms is None:
+                ctrl.record_step(1, 1, 1.0 * speed, 1)
+            else:
+                ctrl.record_step(2, 2, 1.6 * speed, 1)
+                ctrl.record(arm, 1, 2 if rng.random() < accept else 1)
+
+    run(1500, 1.5, 1.0)
+    assert ctrl.gate.on
+    run(1000, 1.0, 0.5)
+    assert ctrl.gate.on is (window == 256)
+    speedup = ctrl._steady(1)[2]
+    if window == COST_WINDOW:
+        assert speedup < 1
+    else:
+        assert speedup > 1.1
 
 
 def test_steps_settling_after_a_switch_of_kind_are_no_timing_sample():

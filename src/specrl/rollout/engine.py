@@ -62,7 +62,7 @@ from specrl.errors import CheckpointError, ConfigError
 from specrl.models.decoder import CacheBatch, Transformer
 from specrl.models.tokenizer import TextCodec
 from specrl.rollout.compiled import Compiled, CompiledDecode
-from specrl.rollout.gating import Arm, SpecController
+from specrl.rollout.gating import COST_WINDOW, Arm, SpecController
 from specrl.rollout.metrics import AcceptanceAlarm, SpecStats
 from specrl.rollout.proposers import (
     Draft,
@@ -139,7 +139,9 @@ class SpecConfig:
     epsilon: float = 0.1  # bandit exploration rate
     hysteresis: float = 0.1  # gate: off below expected speedup 1, on again above 1 + h
     probe: float = 0.05  # while the gate is off, ~1 step in 1/probe speculates anyway
-    cost_window: int = 256  # decode steps in the cost model's least-squares fit
+    # most timing samples per window of the cost fits (the default exceeds COST_MAX_AGE: age
+    # bounds them, so plain and speculative steps are averaged over the same steps)
+    cost_window: int = COST_WINDOW
     alarm_window: int = 32  # drafts per window of the stale-draft alarm
     alarm_tau: float = 1.05  # τ at or below which a window raises the alarm
 

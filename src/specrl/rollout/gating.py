@@ -81,10 +81,10 @@ class CostModel:
     spread in the data it stays flat).  Before any measurement it is ``prior`` (default flat,
     t = 1: optimistic, speculation gets tried, and so measured).
 
-    The fit is solved when asked for, and then again only after max(1, n/16) new observations
-    (n in the window): the coefficients move slowly once the window is full, and the engine
-    asks every step.  ``observe``/``predict`` take the features in order; trailing features
-    left out count as 0.
+    The fit is solved when asked for, and then again only after max(1, min(n/16, 32)) new
+    observations (n in the windows): the coefficients move slowly once the window is full, and
+    the engine asks every step; a rare kind's new samples (probes) still count within 32.
+    ``observe``/``predict`` take the features in order; trailing features left out count as 0.
 
     ``split``: the index (1-based, as in c₁ … cₙ) of a feature whose values partition the
     window, one window of the last ``window`` observations per value.  The steps of a rare
@@ -101,10 +101,13 @@ class CostModel:
     ~16 000 steps), and a shared machine's speed drifts over such spans (here by tens of
     percent between minutes): the fit would then compare one kind's cost on today's machine
     with the other's averaged over a long past — a drift-sized error in the speedup, which at
-    break-even decides the gate.
+    break-even decides the gate.  The same holds within ``max_age`` unless age alone bounds
+    every window: with ``window`` above the samples ``max_age`` steps can hold, both kinds
+    average over the same stretch of steps (:data:`COST_WINDOW`).
     """
 
     REFIT_DIVISOR = 16
+    REFIT_MAX_WAIT = 32  # new observations at most between solves, however full the window
 
     def __init__(
         self,
@@ -212,7 +215,7 @@ class CostModel:
     def coefficients(self) -> tuple[float, ...]:
         """(c₀, c₁, …): seconds, then seconds per unit of each feature (for decode steps:
         per token fed, per padded query row)."""
-        due = max(1, self._count // self.REFIT_DIVISOR)
+        due = max(1, min(self._count // self.REFIT_DIVISOR, self.REFIT_MAX_WAIT))
         if self._fit is None or self._since_fit >= due:
             self._fit = self._solve()
             self._since_fit = 0
@@ -491,6 +494,13 @@ PLAIN_SAMPLES = 2
 # decode steps after which a timing sample leaves the cost fits (down to their min_keep per
 # kind): with the gate on, ~32 plain samples from probes; see CostModel's max_age
 COST_MAX_AGE = 2000
+# timing samples each window of the fits may hold: more than COST_MAX_AGE, so that age alone
+# bounds every window and both kinds of step average over the same last COST_MAX_AGE steps.  A
+# window of the last 256 samples spans ~270 steps of the kind the gate plays and the whole
+# COST_MAX_AGE of the other (probes): t_p and t_s then come from different stretches of a
+# machine whose speed drifts within minutes, and at break-even the gate followed the drift
+# (docs/benchmarks.md, "Matched windows")
+COST_WINDOW = 4096
 
 
 class SpecController:
@@ -522,7 +532,7 @@ class SpecController:
         epsilon: float = 0.1,
         hysteresis: float = 0.1,
         probe: float = 0.05,
-        cost_window: int = 256,
+        cost_window: int = COST_WINDOW,
         cost_max_age: int | None = COST_MAX_AGE,
         gate: bool = True,
         seed: int = 0,

@@ -1,0 +1,186 @@
+"""The gate's cost fits: windows of the last 256 samples against windows bounded by age alone.
+
+The speculation gate compares a plain step time t_p with speculative step times t_s, each from
+its own window of timing samples (``specrl.rollout.gating.CostModel``, ``split``).  The kind of
+step the gate plays fills its window in a few hundred steps; the other kind is measured only by
+probes, so a window of the last 256 samples of it spans the whole ``COST_MAX_AGE``.  On a
+machine whose speed drifts, t_p and t_s then come from different stretches of time.  With
+windows larger than ``COST_MAX_AGE`` steps can fill (``COST_WINDOW``), age alone bounds both
+and both kinds average over the same steps.
+
+Where the gate's decision is close (toy-small at batch 1: speculation loses by 10–20 %), a
+drift can keep a gate on for many requests, so one engine's run says little: this script runs
+``--trials`` independent trials, each with fresh engines — plain, best-of-N (``eagle3`` and
+``ngram``, k ≤ 8) with 256-sample windows, best-of-N with the default windows — warmed up twice,
+then ``--repeats`` runs on the same prompts, interleaved in a rotated order (P = max(B, 8)
+addition prompts, ≤ 64 tokens, one torch thread, thread CPU time).  Per trial and variant: the
+median tok/s ratio to plain over its repeats and the speculative share of its decode steps;
+then, over trials, the median of those ratios and the trials in which a variant speculated in
+more than half of its steps.
+
+    python -m benchmarks.gate_windows --target runs/toy/target --draft runs/toy/draft \\
+        --batch 1 --mode greedy --trials 8 --repeats 12 --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.draft_lengths import decode
+from benchmarks.rollout import MAX_K, paired_ratio, prompt_set
+from specrl.config.loader import atomic_write_text
+from specrl.models.checkpoint import load_model, load_tokenizer
+from specrl.models.decoder import Transformer
+from specrl.models.tokenizer import TextCodec
+from specrl.rollout import RolloutEngine, SpecConfig
+from specrl.rollout.gating import COST_WINDOW
+
+SHORT_WINDOW = 256  # the fits' window before COST_WINDOW
+VARIANTS = ("plain", f"best-of-N, last {SHORT_WINDOW} samples", "best-of-N, age-bounded")
+
+
+def engines(
+    model: Transformer, codec: TextCodec, draft: Path, batch: int, max_k: int, seed: int
+) -> dict[str, RolloutEngine]:
+    def spec(window: int) -> SpecConfig:
+        return SpecConfig(
+            ("eagle3", "ngram"),
+            max_k=max_k,
+            proposer_options={"eagle3": {"path": str(draft)}},
+            cost_window=window,
+        )
+
+    specs = {VARIANTS[0]: None, VARIANTS[1]: spec(SHORT_WINDOW), VARIANTS[2]: spec(COST_WINDOW)}
+    return {
+        name: RolloutEngine(
+            model, codec=codec, max_batch_size=batch, spec=s, seed=seed, clock=time.thread_time
+        )
+        for name, s in specs.items()
+    }
+
+
+def trial(
+    model: Transformer, codec: TextCodec, draft: Path, batch: int, greedy: bool, repeats: int,
+    max_k: int, seed: int,
+) -> dict[str, dict]:  # fmt: skip
+    """One trial: fresh engines (their bandits seeded with ``seed``), warm-up, measured runs."""
+    built = engines(model, codec, draft, batch, max_k, seed)
+    count, names = max(batch, 8), list(built)
+    for w in range(2):
+        prompts = prompt_set(codec, count, 10_000 + 100 * seed + w)
+        for name in names:
+            decode(built[name], prompts, w, greedy)
+    steps = {
+        name: (e.controller.spec_steps, e.controller.plain_steps)
+        for name, e in built.items()
+        if e.controller is not None
+    }
+    tok_s: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(repeats):
+        prompts = prompt_set(codec, count, 1000 * seed + rep)
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            t0 = time.thread_time()
+            tokens = decode(built[name], prompts, rep + 1, greedy)
+            tok_s[name].append(tokens / (time.thread_time() - t0))
+    out = {}
+    for name in names[1:]:
+        c = built[name].controller
+        spec0, plain0 = steps[name]
+        spec, plain = c.spec_steps - spec0, c.plain_steps - plain0
+        out[name] = {
+            "vs_plain": round(paired_ratio(tok_s[name], tok_s[VARIANTS[0]]), 3),
+            "spec_share": round(spec / max(1, spec + plain), 3),
+            "tok_s_runs": [round(x, 1) for x in tok_s[name]],
+        }
+    out[VARIANTS[0]] = {"tok_s_runs": [round(x, 1) for x in tok_s[VARIANTS[0]]]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", type=Path, default=Path("runs/toy/target"))
+    ap.add_argument("--draft", type=Path, default=Path("runs/toy/draft"))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--mode", choices=("sampled", "greedy"), default="greedy")
+    ap.add_argument("--trials", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=12)
+    ap.add_argument("--max-k", type=int, default=MAX_K)
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gate_windows.json"))
+    args = ap.parse_args()
+    for p, what in ((args.target, "config.json"), (args.draft, "specrl_draft.json")):
+        if not (p / what).is_file():
+            ap.error(f"{p} has no {what}: make the toy pair first (docs/benchmarks.md)")
+    if args.trials < 1 or args.repeats < 1 or args.batch < 1 or args.max_k < 1:
+        ap.error("--trials, --repeats, --batch and --max-k must be ≥ 1")
+    torch.set_num_threads(1)
+    model = load_model(args.target).eval()
+    codec = TextCodec(
+        load_tokenizer(args.target), model.config.bos_token_id, model.config.eos_token_id
+    )
+    greedy = args.mode == "greedy"
+    trials = []
+    for t in range(args.trials):
+        res = trial(model, codec, args.draft, args.batch, greedy, args.repeats, args.max_k, t)
+        trials.append(res)
+        print(
+            json.dumps(
+                {"trial": t}
+                | {n: {k: v for k, v in r.items() if k != "tok_s_runs"} for n, r in res.items()}
+            )
+        )
+    summary = []
+    for name in VARIANTS[1:]:
+        ratios = [tr[name]["vs_plain"] for tr in trials]
+        shares = [tr[name]["spec_share"] for tr in trials]
+        quart = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        summary.append(
+            {
+                "variant": name,
+                "vs_plain": round(statistics.median(ratios), 3),
+                "vs_plain_iqr": [round(quart[0], 3), round(quart[-1], 3)],
+                "vs_plain_trials": ratios,
+                "spec_share_trials": shares,
+                "trials_mostly_speculating": sum(s > 0.5 for s in shares),
+            }
+        )
+    if args.markdown:
+        print(f"{args.mode}, batch {args.batch}, {args.trials} trials × {args.repeats} repeats:\n")
+        print(
+            "| variant | vs plain, median of trials (IQR) | speculative share per trial "
+            "| trials speculating > 50 % |"
+        )
+        print("| --- | --- | --- | ---: |")
+        for s in summary:
+            lo, hi = s["vs_plain_iqr"]
+            shares = ", ".join(f"{x:.2f}" for x in s["spec_share_trials"])
+            print(
+                f"| {s['variant']} | {s['vs_plain']} ({lo}–{hi}) | {shares} | "
+                f"{s['trials_mostly_speculating']} |"
+            )
+    meta = {
+        "command": " ".join(["python", "-m", "benchmarks.gate_windows", *sys.argv[1:]]),
+        "target": str(args.target),
+        "draft": str(args.draft),
+        "batch": args.batch,
+        "mode": args.mode,
+        "max_k": args.max_k,
+        "trials": args.trials,
+        "repeats": args.repeats,
+        "cost_window": COST_WINDOW,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    payload = {"meta": meta, "summary": summary, "trials": trials}
+    atomic_write_text(args.out, json.dumps(payload, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
