@@ -11,12 +11,13 @@ and both kinds average over the same steps.
 Where the gate's decision is close (toy-small at batch 1: speculation loses by 10–20 %), a
 drift can keep a gate on for many requests, so one engine's run says little: this script runs
 ``--trials`` independent trials, each with fresh engines — plain, best-of-N (``eagle3`` and
-``ngram``, k ≤ 8) with 256-sample windows, best-of-N with the default windows — warmed up twice,
+``ngram``, k ≤ 8) with 256-sample windows, best-of-N with the default windows; eager, or compiled
+with ``--compile`` (``RolloutEngine.warmup()`` first) — warmed up with two runs,
 then ``--repeats`` runs on the same prompts, interleaved in a rotated order (P = max(B, 8)
 addition prompts, ≤ 64 tokens, one torch thread, thread CPU time).  Per trial and variant: the
 median tok/s ratio to plain over its repeats and the speculative share of its decode steps;
 then, over trials, the median of those ratios and the trials in which a variant speculated in
-more than half of its steps.
+more than half of its steps, and the two best-of-N engines head to head (per repeat).
 
     python -m benchmarks.gate_windows --target runs/toy/target --draft runs/toy/draft \\
         --batch 1 --mode greedy --trials 8 --repeats 12 --markdown
@@ -47,8 +48,9 @@ VARIANTS = ("plain", f"best-of-N, last {SHORT_WINDOW} samples", "best-of-N, age-
 
 
 def engines(
-    model: Transformer, codec: TextCodec, draft: Path, batch: int, max_k: int, seed: int
-) -> dict[str, RolloutEngine]:
+    model: Transformer, codec: TextCodec, draft: Path, batch: int, max_k: int, seed: int,
+    compile: bool = False,
+) -> dict[str, RolloutEngine]:  # fmt: skip
     def spec(window: int) -> SpecConfig:
         return SpecConfig(
             ("eagle3", "ngram"),
@@ -58,20 +60,29 @@ def engines(
         )
 
     specs = {VARIANTS[0]: None, VARIANTS[1]: spec(SHORT_WINDOW), VARIANTS[2]: spec(COST_WINDOW)}
-    return {
+    built = {
         name: RolloutEngine(
-            model, codec=codec, max_batch_size=batch, spec=s, seed=seed, clock=time.thread_time
+            model,
+            codec=codec,
+            max_batch_size=batch,
+            spec=s,
+            seed=seed,
+            clock=time.thread_time,
+            compile=compile,
         )
         for name, s in specs.items()
     }
+    for engine in built.values():
+        engine.warmup()  # compiled: every decode graph now (eager: nothing)
+    return built
 
 
 def trial(
     model: Transformer, codec: TextCodec, draft: Path, batch: int, greedy: bool, repeats: int,
-    max_k: int, seed: int,
+    max_k: int, seed: int, compile: bool = False,
 ) -> dict[str, dict]:  # fmt: skip
     """One trial: fresh engines (their bandits seeded with ``seed``), warm-up, measured runs."""
-    built = engines(model, codec, draft, batch, max_k, seed)
+    built = engines(model, codec, draft, batch, max_k, seed, compile)
     count, names = max(batch, 8), list(built)
     for w in range(2):
         prompts = prompt_set(codec, count, 10_000 + 100 * seed + w)
@@ -112,6 +123,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--max-k", type=int, default=MAX_K)
+    ap.add_argument("--compile", action="store_true", help="compiled engines (torch.compile)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gate_windows.json"))
     args = ap.parse_args()
@@ -128,7 +140,9 @@ def main() -> None:
     greedy = args.mode == "greedy"
     trials = []
     for t in range(args.trials):
-        res = trial(model, codec, args.draft, args.batch, greedy, args.repeats, args.max_k, t)
+        res = trial(
+            model, codec, args.draft, args.batch, greedy, args.repeats, args.max_k, t, args.compile
+        )
         trials.append(res)
         print(
             json.dumps(
@@ -148,23 +162,41 @@ def main() -> None:
                 "vs_plain_iqr": [round(quart[0], 3), round(quart[-1], 3)],
                 "vs_plain_trials": ratios,
                 "spec_share_trials": shares,
+                "trials_over_10_percent": sum(s > 0.1 for s in shares),
                 "trials_mostly_speculating": sum(s > 0.5 for s in shares),
             }
         )
+    # the two best-of-N engines against each other, per repeat (they ran back to back)
+    paired = [
+        a / b
+        for tr in trials
+        for a, b in zip(tr[VARIANTS[2]]["tok_s_runs"], tr[VARIANTS[1]]["tok_s_runs"], strict=True)
+    ]
+    quart = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+    head_to_head = {
+        "age_bounded_over_last_256": round(statistics.median(paired), 3),
+        "iqr": [round(quart[0], 3), round(quart[-1], 3)],
+        "repeats": len(paired),
+    }
     if args.markdown:
         print(f"{args.mode}, batch {args.batch}, {args.trials} trials × {args.repeats} repeats:\n")
         print(
             "| variant | vs plain, median of trials (IQR) | speculative share per trial "
-            "| trials speculating > 50 % |"
+            "| trials speculating > 10 % | > 50 % |"
         )
-        print("| --- | --- | --- | ---: |")
+        print("| --- | --- | --- | ---: | ---: |")
         for s in summary:
             lo, hi = s["vs_plain_iqr"]
             shares = ", ".join(f"{x:.2f}" for x in s["spec_share_trials"])
             print(
                 f"| {s['variant']} | {s['vs_plain']} ({lo}–{hi}) | {shares} | "
-                f"{s['trials_mostly_speculating']} |"
+                f"{s['trials_over_10_percent']} | {s['trials_mostly_speculating']} |"
             )
+        print(
+            f"\nage-bounded ÷ last {SHORT_WINDOW} samples, per repeat: "
+            f"{head_to_head['age_bounded_over_last_256']} "
+            f"({head_to_head['iqr'][0]}–{head_to_head['iqr'][1]}, {len(paired)} repeats)"
+        )
     meta = {
         "command": " ".join(["python", "-m", "benchmarks.gate_windows", *sys.argv[1:]]),
         "target": str(args.target),
@@ -172,13 +204,14 @@ def main() -> None:
         "batch": args.batch,
         "mode": args.mode,
         "max_k": args.max_k,
+        "compile": args.compile,
         "trials": args.trials,
         "repeats": args.repeats,
         "cost_window": COST_WINDOW,
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
-    payload = {"meta": meta, "summary": summary, "trials": trials}
+    payload = {"meta": meta, "summary": summary, "head_to_head": head_to_head, "trials": trials}
     atomic_write_text(args.out, json.dumps(payload, indent=2) + "\n")
 
 
