@@ -105,10 +105,15 @@ def trial(
         c = built[name].controller
         spec0, plain0 = steps[name]
         spec, plain = c.spec_steps - spec0, c.plain_steps - plain0
+        _, t_plain, speedup, best, _ = c._steady(batch)  # the gate's view at the end
         out[name] = {
             "vs_plain": round(paired_ratio(tok_s[name], tok_s[VARIANTS[0]]), 3),
             "spec_share": round(spec / max(1, spec + plain), 3),
             "tok_s_runs": [round(x, 1) for x in tok_s[name]],
+            "final_speedup_estimate": round(speedup, 3),
+            "final_best_arm": str(best),
+            "final_plain_step_us": round(t_plain * 1e6, 1),
+            "selections": {a: n for a, n in c.selections.items() if n},
         }
     out[VARIANTS[0]] = {"tok_s_runs": [round(x, 1) for x in tok_s[VARIANTS[0]]]}
     return out
@@ -147,7 +152,10 @@ def main() -> None:
         print(
             json.dumps(
                 {"trial": t}
-                | {n: {k: v for k, v in r.items() if k != "tok_s_runs"} for n, r in res.items()}
+                | {
+                    n: {k: v for k, v in r.items() if k not in ("tok_s_runs", "selections")}
+                    for n, r in res.items()
+                }
             )
         )
     summary = []
