@@ -1,4 +1,4 @@
-"""The gate's cost fits: which samples the plain and speculative step times are compared on.
+"""The gate's cost fits: windows of the last 256 samples against windows bounded by age alone.
 
 The speculation gate compares a plain step time t_p with speculative step times t_s, each from
 its own window of timing samples (``specrl.rollout.gating.CostModel``, ``split``).  The kind of
@@ -6,20 +6,18 @@ step the gate plays fills its window in a few hundred steps; the other kind is m
 probes, so a window of the last 256 samples of it spans the whole ``COST_MAX_AGE``.  On a
 machine whose speed drifts, t_p and t_s then come from different stretches of time.  With
 windows larger than ``COST_MAX_AGE`` steps can fill (``COST_WINDOW``), age alone bounds both
-and both kinds average over the same steps; with local speed (``SpecController.record_step``)
-a probe's samples are also divided by the speed of the steps next to it.
+and both kinds average over the same steps.
 
 Where the gate's decision is close (toy-small at batch 1: speculation loses by 10–20 %), a
 drift can keep a gate on for many requests, so one engine's run says little: this script runs
-``--trials`` independent trials, each with fresh engines — plain, and best-of-N (``eagle3`` and
-``ngram``, k ≤ 8) three ways: 256-sample windows (as before both changes), age-bounded windows,
-age-bounded windows with local speed (the default); eager, or compiled with ``--compile``
-(``RolloutEngine.warmup()`` first) — warmed up with two runs, then ``--repeats`` runs on the
-same prompts, interleaved in a rotated order (P = max(B, 8) addition prompts, ≤ 64 tokens, one
-torch thread, thread CPU time).  Per trial and variant: the median tok/s ratio to plain over
-its repeats, the speculative share of its decode steps and the gate's final estimate; then,
-over trials, the median of those ratios and the trials in which a variant speculated in more
-than 10 % / 50 % of its steps, and the best-of-N engines head to head (per repeat).
+``--trials`` independent trials, each with fresh engines — plain, best-of-N (``eagle3`` and
+``ngram``, k ≤ 8) with 256-sample windows, best-of-N with the default windows; eager, or compiled
+with ``--compile`` (``RolloutEngine.warmup()`` first) — warmed up with two runs,
+then ``--repeats`` runs on the same prompts, interleaved in a rotated order (P = max(B, 8)
+addition prompts, ≤ 64 tokens, one torch thread, thread CPU time).  Per trial and variant: the
+median tok/s ratio to plain over its repeats and the speculative share of its decode steps;
+then, over trials, the median of those ratios and the trials in which a variant speculated in
+more than half of its steps, and the two best-of-N engines head to head (per repeat).
 
     python -m benchmarks.gate_windows --target runs/toy/target --draft runs/toy/draft \\
         --batch 1 --mode greedy --trials 8 --repeats 12 --markdown
@@ -46,14 +44,7 @@ from specrl.rollout import RolloutEngine, SpecConfig
 from specrl.rollout.gating import COST_WINDOW
 
 SHORT_WINDOW = 256  # the fits' window before COST_WINDOW
-VARIANTS = (
-    "plain",
-    f"best-of-N, last {SHORT_WINDOW} samples",  # before COST_WINDOW and local speed
-    "best-of-N, age-bounded",  # COST_WINDOW, a probe's samples as measured
-    "best-of-N, age-bounded + local speed",  # the default
-)
-# (variant, baseline) pairs compared head to head, per repeat
-HEAD_TO_HEAD = ((VARIANTS[3], VARIANTS[1]), (VARIANTS[3], VARIANTS[2]), (VARIANTS[2], VARIANTS[1]))
+VARIANTS = ("plain", f"best-of-N, last {SHORT_WINDOW} samples", "best-of-N, age-bounded")
 
 
 def engines(
@@ -68,12 +59,7 @@ def engines(
             cost_window=window,
         )
 
-    specs = {
-        VARIANTS[0]: None,
-        VARIANTS[1]: spec(SHORT_WINDOW),
-        VARIANTS[2]: spec(COST_WINDOW),
-        VARIANTS[3]: spec(COST_WINDOW),
-    }
+    specs = {VARIANTS[0]: None, VARIANTS[1]: spec(SHORT_WINDOW), VARIANTS[2]: spec(COST_WINDOW)}
     built = {
         name: RolloutEngine(
             model,
@@ -86,8 +72,6 @@ def engines(
         )
         for name, s in specs.items()
     }
-    for name in VARIANTS[1:3]:
-        built[name].controller.local_speed = False
     for engine in built.values():
         engine.warmup()  # compiled: every decode graph now (eager: nothing)
     return built
@@ -190,24 +174,18 @@ def main() -> None:
                 "trials_mostly_speculating": sum(s > 0.5 for s in shares),
             }
         )
-    # best-of-N engines against each other, per repeat (they ran back to back)
-    head_to_head = []
-    for num, den in HEAD_TO_HEAD:
-        paired = [
-            a / b
-            for tr in trials
-            for a, b in zip(tr[num]["tok_s_runs"], tr[den]["tok_s_runs"], strict=True)
-        ]
-        quart = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
-        head_to_head.append(
-            {
-                "variant": num,
-                "over": den,
-                "ratio": round(statistics.median(paired), 3),
-                "iqr": [round(quart[0], 3), round(quart[-1], 3)],
-                "repeats": len(paired),
-            }
-        )
+    # the two best-of-N engines against each other, per repeat (they ran back to back)
+    paired = [
+        a / b
+        for tr in trials
+        for a, b in zip(tr[VARIANTS[2]]["tok_s_runs"], tr[VARIANTS[1]]["tok_s_runs"], strict=True)
+    ]
+    quart = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+    head_to_head = {
+        "age_bounded_over_last_256": round(statistics.median(paired), 3),
+        "iqr": [round(quart[0], 3), round(quart[-1], 3)],
+        "repeats": len(paired),
+    }
     if args.markdown:
         print(f"{args.mode}, batch {args.batch}, {args.trials} trials × {args.repeats} repeats:\n")
         print(
@@ -222,12 +200,11 @@ def main() -> None:
                 f"| {s['variant']} | {s['vs_plain']} ({lo}–{hi}) | {shares} | "
                 f"{s['trials_over_10_percent']} | {s['trials_mostly_speculating']} |"
             )
-        print("\nhead to head, per repeat:\n")
-        for h in head_to_head:
-            lo, hi = h["iqr"]
-            print(
-                f"- {h['variant']} ÷ {h['over']}: {h['ratio']} ({lo}–{hi}, {h['repeats']} repeats)"
-            )
+        print(
+            f"\nage-bounded ÷ last {SHORT_WINDOW} samples, per repeat: "
+            f"{head_to_head['age_bounded_over_last_256']} "
+            f"({head_to_head['iqr'][0]}–{head_to_head['iqr'][1]}, {len(paired)} repeats)"
+        )
     meta = {
         "command": " ".join(["python", "-m", "benchmarks.gate_windows", *sys.argv[1:]]),
         "target": str(args.target),

@@ -413,42 +413,6 @@ def test_gate_averages_both_kinds_of_step_over_the_same_steps(window):
         assert speedup > 1.1
 
 
-@pytest.mark.parametrize("local", [True, False])
-def test_probes_are_priced_at_the_speed_of_the_steps_next_to_them(local):
-    """An adversarial machine: 1.6× slower from 10 steps before each gate-on plain probe to its
-    end, full speed otherwise.  Speculation wins at first (S = 1.25), then loses (S = 0.94 at
-    any speed).  Matched windows do not help here: every plain sample is slow, ~10 in 120
-    speculative ones are, so t_p / t_s reads ~1.5× too high and the gate stays on.  Divided by
-    the local speed (the median of the last 8 speculative steps against the fit: ~1.5 at a
-    probe), a plain sample reads at the window's average speed and the gate turns off."""
-    ctrl = SpecController(["x"], 1, probe=0.05, seed=0)
-    ctrl.local_speed = local  # False: a probe's sample as measured
-    arm = Arm("x", 1)
-    rng = random.Random(0)
-    spacing = PLAIN_PROBE_STEPS / ctrl.probe
-
-    def run(steps: int, accept: float) -> None:
-        for _ in range(steps):
-            arms = ctrl.plan(1)
-            near = ctrl._probe_plain and ctrl._probe_left > 0
-            if arms is None:
-                ctrl.record_step(1, 1, 1.6 if ctrl.gate.on or near else 1.0, 1)
-            else:
-                slow = ctrl._spec_run >= spacing - 10
-                ctrl.record_step(2, 2, 1.6 * (1.6 if slow else 1.0), 1)
-                ctrl.record(arm, 1, 2 if rng.random() < accept else 1)
-
-    run(1500, 1.0)
-    assert ctrl.gate.on
-    run(2500, 0.5)
-    assert ctrl.gate.on is not local
-    speedup = ctrl._steady(1)[2]
-    if local:
-        assert speedup < 1
-    else:
-        assert speedup > 1.3
-
-
 def test_steps_settling_after_a_switch_of_kind_are_no_timing_sample():
     """Right after speculative steps plain steps run slower for a while (caches cold after the
     other kind's forwards; measured on CPU: four steps) and a speculative step after plain ones

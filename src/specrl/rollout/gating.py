@@ -501,10 +501,6 @@ COST_MAX_AGE = 2000
 # machine whose speed drifts within minutes, and at break-even the gate followed the drift
 # (docs/benchmarks.md, "Matched windows")
 COST_WINDOW = 4096
-# timed steps of the kind the gate plays whose speed, against the fit, prices a probe's samples
-# (their median: see SpecController.record_step), and the largest correction it may apply
-LOCAL_SPEED_STEPS = 8
-LOCAL_SPEED_MAX = 2.0
 
 
 class SpecController:
@@ -567,11 +563,6 @@ class SpecController:
         self._accept = {p: ChainAcceptance(max_k) for p in proposers}
         self.draft_cost = {p: DraftCost(cost_window, cost_max_age) for p in proposers}
         self._decode_steps = 0  # the cost models' clock (CostModel.max_age)
-        # seconds / predicted of the last timed steps of the kind the gate plays, and the
-        # divisor applied to the current step's samples (≠ 1 for a probe's): record_step
-        self._local_speed: deque[float] = deque(maxlen=LOCAL_SPEED_STEPS)
-        self._probe_scale = 1.0
-        self.local_speed = True  # False: a probe's samples as measured (comparisons only)
         # cache of _steady: the fits it was computed with, each arm's step time and the
         # acceptance samples it saw, the probe arms, the result
         self._fits_key: tuple = ()
@@ -849,9 +840,7 @@ class SpecController:
         self, proposer: str, tokens: int, chain: int, seconds: float, backlog: int = 0
     ) -> None:
         """One ``propose`` call of ``proposer``: ``tokens`` asked in all (Σ caps), ``chain`` the
-        longest cap, ``backlog`` positions it had queued, taking ``seconds`` (called after the
-        step's :meth:`record_step`: a probe's call is scaled as its step was)."""
-        seconds /= self._probe_scale
+        longest cap, ``backlog`` positions it had queued, taking ``seconds``."""
         self.draft_cost[proposer].observe(tokens, chain, backlog, seconds, at=self._decode_steps)
 
     def record(self, arm: Arm, k_used: int, emitted: int, cap: int | None = None) -> None:
@@ -866,19 +855,7 @@ class SpecController:
         fed, ``padded`` query rows.  A step with one query row per sequence
         (``padded == batch_size``) is a plain step, whether or not it was planned as
         speculative (no proposer found a draft).  The first steps of a run of one kind after
-        a switch of kind are no sample either: they pay the switch (:data:`SETTLE_STEPS`).
-
-        A probe's samples (plain steps while this batch size's gate is on, speculative ones
-        while it is off) are divided by the machine's local speed: the median, over the last
-        :data:`LOCAL_SPEED_STEPS` timed steps of the kind the gate plays, of their time over
-        the fit's prediction (clamped to 1/:data:`LOCAL_SPEED_MAX` … LOCAL_SPEED_MAX; the
-        drafting samples of the step alike, :meth:`record_draft`).  The kind the gate plays
-        fills its window every step, so its fit is the window's average machine; a probe comes
-        a couple of times in a hundred steps, and on a machine with slow spells (here ~2× for
-        seconds) a few of them landing in one would move its kind's estimate by the spell's
-        size against a window that averages it out.  Divided by the speed of the steps next to
-        it, a probe's sample is put on the window's average machine too: both kinds of step
-        are then compared at the same speed (docs/benchmarks.md, "Local speed")."""
+        a switch of kind are no sample either: they pay the switch (:data:`SETTLE_STEPS`)."""
         speculative = padded != batch_size
         last, self._last_speculative = self._last_speculative, speculative
         if last == speculative:
@@ -888,23 +865,8 @@ class SpecController:
         settling = self._after_switch and self._run_length <= SETTLE_STEPS[speculative]
         self.switch_steps += settling
         self._decode_steps += 1
-        probe = speculative != (self.gate.states.get(batch_size) is not False)
-        if probe and self.local_speed:
-            local = sorted(self._local_speed)
-            scale = local[len(local) // 2] if local else 1.0
-            self._probe_scale = min(max(scale, 1.0 / LOCAL_SPEED_MAX), LOCAL_SPEED_MAX)
-        else:
-            self._probe_scale = 1.0
-        if seconds is None or settling:
-            return
-        kind = float(speculative)
-        if probe:
-            seconds /= self._probe_scale  # 1 without local speed
-        elif self.cost.observations_of(kind) >= self.cost.min_keep:  # a fit to compare with
-            predicted = self.cost.predict(tokens, padded, kind)
-            if predicted > 0:
-                self._local_speed.append(seconds / predicted)
-        self.cost.observe(tokens, padded, kind, seconds, at=self._decode_steps)
+        if seconds is not None and not settling:
+            self.cost.observe(tokens, padded, float(speculative), seconds, at=self._decode_steps)
 
     def record_finished(self, output_tokens: int) -> None:
         """A sequence finished with ``output_tokens`` generated (the length model)."""
