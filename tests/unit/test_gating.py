@@ -350,16 +350,10 @@ def test_cost_model_ages_observations_out_down_to_min_keep_per_kind():
         CostModel(max_age=0)
 
 
-@pytest.mark.parametrize("max_age", [COST_MAX_AGE, None])
-def test_gate_compares_plain_and_speculative_costs_measured_on_the_same_machine(max_age):
-    """A machine's speed drifts (a shared host: ±30 % between minutes).  With the gate on,
-    plain steps are measured only by probes, 2 per 126 steps: 256 of them span ~16 000 steps.
-    Here the machine runs 1.5× slower for 3000 steps, then at full speed while the drafts'
-    acceptance drops so that speculation loses (S = τ·t_p / t_s = 1.5 · 1.0 / 1.6 = 0.94).
-    Aged out after COST_MAX_AGE steps, the slow plain samples leave the fit and the gate turns
-    off; kept (max_age None), they inflate t_p by ~25 % and the gate stays on.  (Windows of the
-    last 256 samples, as the fits had before :data:`COST_WINDOW`: the next test.)"""
-    ctrl = SpecController(["x"], 1, probe=0.05, seed=0, cost_window=256, cost_max_age=max_age)
+def _drifting_machine(ctrl: SpecController):
+    """A controller with one arm ("x", k = 1) on a simulated machine at batch 1: a plain step
+    takes 1.0 × speed, a speculative one 1.6 × speed, and a draft is accepted with probability
+    ``accept``; ``run(steps, speed, accept)`` plans, times and verifies that many steps."""
     arm = Arm("x", 1)
     rng = random.Random(0)
 
@@ -372,6 +366,20 @@ def test_gate_compares_plain_and_speculative_costs_measured_on_the_same_machine(
                 ctrl.record_step(2, 2, 1.6 * speed, 1)
                 ctrl.record(arm, 1, 2 if rng.random() < accept else 1)
 
+    return run
+
+
+@pytest.mark.parametrize("max_age", [COST_MAX_AGE, None])
+def test_gate_compares_plain_and_speculative_costs_measured_on_the_same_machine(max_age):
+    """A machine's speed drifts (a shared host: ±30 % between minutes).  With the gate on,
+    plain steps are measured only by probes, 2 per 126 steps: 256 of them span ~16 000 steps.
+    Here the machine runs 1.5× slower for 3000 steps, then at full speed while the drafts'
+    acceptance drops so that speculation loses (S = τ·t_p / t_s = 1.5 · 1.0 / 1.6 = 0.94).
+    Aged out after COST_MAX_AGE steps, the slow plain samples leave the fit and the gate turns
+    off; kept (max_age None), they inflate t_p by ~25 % and the gate stays on.  (Windows of the
+    last 256 samples, as the fits had before :data:`COST_WINDOW`: the next test.)"""
+    ctrl = SpecController(["x"], 1, probe=0.05, seed=0, cost_window=256, cost_max_age=max_age)
+    run = _drifting_machine(ctrl)
     run(3000, 1.5, 1.0)  # slow machine, every draft accepted: S = 2 · 1.0 / 1.6 = 1.25
     assert ctrl.gate.on
     run(3000, 1.0, 0.5)  # full speed, τ = 1.5: S = 0.94
@@ -390,18 +398,7 @@ def test_gate_averages_both_kinds_of_step_over_the_same_steps(window):
     and t_p from the probes of the whole 2000 (half slow): S looks like 1.17 and the gate stays
     on."""
     ctrl = SpecController(["x"], 1, probe=0.05, seed=0, cost_window=window)
-    arm = Arm("x", 1)
-    rng = random.Random(0)
-
-    def run(steps: int, speed: float, accept: float) -> None:
-        for _ in range(steps):
-            arms = ctrl.plan(1)
-            if arms is None:
-                ctrl.record_step(1, 1, 1.0 * speed, 1)
-            else:
-                ctrl.record_step(2, 2, 1.6 * speed, 1)
-                ctrl.record(arm, 1, 2 if rng.random() < accept else 1)
-
+    run = _drifting_machine(ctrl)
     run(1500, 1.5, 1.0)
     assert ctrl.gate.on
     run(1000, 1.0, 0.5)
