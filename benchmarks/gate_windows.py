@@ -43,15 +43,22 @@ from specrl.models.checkpoint import load_model, load_tokenizer
 from specrl.models.decoder import Transformer
 from specrl.models.tokenizer import TextCodec
 from specrl.rollout import RolloutEngine, SpecConfig
-from specrl.rollout.gating import COST_WINDOW
+from specrl.rollout.gating import COST_WINDOW, PLAIN_PROBE_STEPS, SETTLE_STEPS
 
 SHORT_WINDOW = 256  # the fits' window before COST_WINDOW
 VARIANTS = ("plain", f"best-of-N, last {SHORT_WINDOW} samples", "best-of-N, age-bounded")
 
 
+def variant_names(settle: int | None) -> tuple[str, str, str]:
+    """The engines compared: the windows (default), or plain probes' settling (``--settle``)."""
+    if settle is None:
+        return VARIANTS
+    return ("plain", "best-of-N, defaults", f"best-of-N, plain probes settle {settle}")
+
+
 def engines(
     model: Transformer, codec: TextCodec, draft: Path, batch: int, max_k: int, seed: int,
-    compile: bool = False,
+    compile: bool = False, settle: int | None = None,
 ) -> dict[str, RolloutEngine]:  # fmt: skip
     def spec(window: int) -> SpecConfig:
         return SpecConfig(
@@ -61,7 +68,11 @@ def engines(
             cost_window=window,
         )
 
-    specs = {VARIANTS[0]: None, VARIANTS[1]: spec(SHORT_WINDOW), VARIANTS[2]: spec(COST_WINDOW)}
+    names = variant_names(settle)
+    # the windows: 256 samples against age-bounded; or, with settle, the defaults against plain
+    # probes that settle `settle` steps
+    second = spec(SHORT_WINDOW if settle is None else COST_WINDOW)
+    specs = {names[0]: None, names[1]: second, names[2]: spec(COST_WINDOW)}
     built = {
         name: RolloutEngine(
             model,
@@ -74,6 +85,10 @@ def engines(
         )
         for name, s in specs.items()
     }
+    if settle is not None:
+        ctrl = built[names[2]].controller
+        ctrl.settle_steps[False] = settle
+        ctrl.plain_probe_steps = settle + PLAIN_PROBE_STEPS - SETTLE_STEPS[False]
     for engine in built.values():
         engine.warmup()  # compiled: every decode graph now (eager: nothing)
     return built
@@ -81,10 +96,10 @@ def engines(
 
 def trial(
     model: Transformer, codec: TextCodec, draft: Path, batch: int, greedy: bool, repeats: int,
-    max_k: int, seed: int, compile: bool = False,
+    max_k: int, seed: int, compile: bool = False, settle: int | None = None,
 ) -> dict[str, dict]:  # fmt: skip
     """One trial: fresh engines (their bandits seeded with ``seed``), warm-up, measured runs."""
-    built = engines(model, codec, draft, batch, max_k, seed, compile)
+    built = engines(model, codec, draft, batch, max_k, seed, compile, settle)
     count, names = max(batch, 8), list(built)
     for w in range(2):
         prompts = prompt_set(codec, count, 10_000 + 100 * seed + w)
@@ -112,7 +127,7 @@ def trial(
         best = max(c.arms, key=lambda arm: c.expected_rate(batch, arm))
         speedup = c.expected_rate(batch, best) * t_plain / batch
         out[name] = {
-            "vs_plain": round(paired_ratio(tok_s[name], tok_s[VARIANTS[0]]), 3),
+            "vs_plain": round(paired_ratio(tok_s[name], tok_s[names[0]]), 3),
             "spec_share": round(spec / max(1, spec + plain), 3),
             "tok_s_runs": [round(x, 1) for x in tok_s[name]],
             "final_speedup_estimate": round(speedup, 3),
@@ -120,7 +135,7 @@ def trial(
             "final_plain_step_us": round(t_plain * 1e6, 1),
             "selections": {a: n for a, n in c.selections.items() if n},
         }
-    out[VARIANTS[0]] = {"tok_s_runs": [round(x, 1) for x in tok_s[VARIANTS[0]]]}
+    out[names[0]] = {"tok_s_runs": [round(x, 1) for x in tok_s[names[0]]]}
     return out
 
 
@@ -134,6 +149,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--max-k", type=int, default=MAX_K)
     ap.add_argument("--compile", action="store_true", help="compiled engines (torch.compile)")
+    ap.add_argument(
+        "--settle",
+        type=int,
+        help="compare settling instead: both engines age-bounded, the second's plain probes "
+        "settle this many steps (default SETTLE_STEPS[plain]) before their two timed ones",
+    )
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gate_windows.json"))
     args = ap.parse_args()
@@ -151,8 +172,9 @@ def main() -> None:
     trials = []
     for t in range(args.trials):
         res = trial(
-            model, codec, args.draft, args.batch, greedy, args.repeats, args.max_k, t, args.compile
-        )
+            model, codec, args.draft, args.batch, greedy, args.repeats, args.max_k, t,
+            args.compile, args.settle,
+        )  # fmt: skip
         trials.append(res)
         print(
             json.dumps(
@@ -164,7 +186,8 @@ def main() -> None:
             )
         )
     summary = []
-    for name in VARIANTS[1:]:
+    names = variant_names(args.settle)
+    for name in names[1:]:
         ratios = [tr[name]["vs_plain"] for tr in trials]
         shares = [tr[name]["spec_share"] for tr in trials]
         quart = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
@@ -183,11 +206,13 @@ def main() -> None:
     paired = [
         a / b
         for tr in trials
-        for a, b in zip(tr[VARIANTS[2]]["tok_s_runs"], tr[VARIANTS[1]]["tok_s_runs"], strict=True)
+        for a, b in zip(tr[names[2]]["tok_s_runs"], tr[names[1]]["tok_s_runs"], strict=True)
     ]
     quart = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
     head_to_head = {
-        "age_bounded_over_last_256": round(statistics.median(paired), 3),
+        "variant": names[2],
+        "over": names[1],
+        "ratio": round(statistics.median(paired), 3),
         "iqr": [round(quart[0], 3), round(quart[-1], 3)],
         "repeats": len(paired),
     }
@@ -206,8 +231,7 @@ def main() -> None:
                 f"{s['trials_over_10_percent']} | {s['trials_mostly_speculating']} |"
             )
         print(
-            f"\nage-bounded ÷ last {SHORT_WINDOW} samples, per repeat: "
-            f"{head_to_head['age_bounded_over_last_256']} "
+            f"\n{names[2]} ÷ {names[1]}, per repeat: {head_to_head['ratio']} "
             f"({head_to_head['iqr'][0]}–{head_to_head['iqr'][1]}, {len(paired)} repeats)"
         )
     meta = {
@@ -218,6 +242,8 @@ def main() -> None:
         "mode": args.mode,
         "max_k": args.max_k,
         "compile": args.compile,
+        "settle": args.settle,
+        "variants": list(names),
         "trials": args.trials,
         "repeats": args.repeats,
         "cost_window": COST_WINDOW,

@@ -563,6 +563,10 @@ class SpecController:
         self._accept = {p: ChainAcceptance(max_k) for p in proposers}
         self.draft_cost = {p: DraftCost(cost_window, cost_max_age) for p in proposers}
         self._decode_steps = 0  # the cost models' clock (CostModel.max_age)
+        # steps of a run after a switch of kind that are no timing sample, and a gate-on plain
+        # probe's length (the module's values; per controller for comparisons)
+        self.settle_steps = dict(SETTLE_STEPS)
+        self.plain_probe_steps = PLAIN_PROBE_STEPS
         # cache of _steady: the fits it was computed with, each arm's step time and the
         # acceptance samples it saw, the probe arms, the result
         self._fits_key: tuple = ()
@@ -776,9 +780,10 @@ class SpecController:
             elif on:
                 self._spec_run += 1
                 measured = self.cost.observations_of(0.0) >= PLAIN_SAMPLES
-                spacing = (PLAIN_PROBE_STEPS if measured else PROBE_STEPS) / max(self.probe, 1e-9)
+                probe_steps = self.plain_probe_steps if measured else PROBE_STEPS
+                spacing = probe_steps / max(self.probe, 1e-9)
                 if self.probe > 0 and self._spec_run >= spacing:
-                    self._probe_left, self._probe_plain = PLAIN_PROBE_STEPS - 1, True
+                    self._probe_left, self._probe_plain = self.plain_probe_steps - 1, True
                     return self._plain()
             else:
                 waited = self._plain_runs[batch_size] = self._plain_runs.get(batch_size, 0) + 1
@@ -862,7 +867,7 @@ class SpecController:
             self._run_length += 1
         else:
             self._run_length, self._after_switch = 1, last is not None
-        settling = self._after_switch and self._run_length <= SETTLE_STEPS[speculative]
+        settling = self._after_switch and self._run_length <= self.settle_steps[speculative]
         self.switch_steps += settling
         self._decode_steps += 1
         if seconds is not None and not settling:
