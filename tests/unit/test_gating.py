@@ -435,13 +435,18 @@ def test_steps_settling_after_a_switch_of_kind_are_no_timing_sample():
     assert ctrl.spec_seconds(160, 160) == pytest.approx(0.01)
 
 
-def test_gate_on_plain_probes_settle_then_time_two_steps():
+@pytest.mark.parametrize("settle", [None, 10])
+def test_gate_on_plain_probes_settle_then_time_two_steps(settle):
     """With the gate on, plain probes come as runs of PLAIN_PROBE_STEPS = SETTLE_STEPS[plain]
     + 2 plain steps, so each run times two steps past its settling: one run per PROBE_STEPS /
     probe speculative steps until the fit holds PLAIN_SAMPLES timed plain steps, then one per
-    PLAIN_PROBE_STEPS / probe (the same share of plain steps as before)."""
+    PLAIN_PROBE_STEPS / probe (the same share of plain steps as before).  A controller's own
+    settling and probe length (``settle_steps``, ``plain_probe_steps``) behave alike."""
     assert PLAIN_PROBE_STEPS == SETTLE_STEPS[False] + 2 == 6 and PROBE_STEPS == 2
     ctrl = SpecController(["x"], 4, probe=0.05, seed=0)
+    if settle is not None:
+        ctrl.settle_steps[False], ctrl.plain_probe_steps = settle, settle + 2
+    probe_steps = ctrl.plain_probe_steps
     kinds = []
     for _ in range(1400):
         arms = ctrl.plan(1)
@@ -455,12 +460,10 @@ def test_gate_on_plain_probes_settle_then_time_two_steps():
     assert ctrl.gate.on and ctrl.gate.switches == 0
     spec_runs = [len(run) for run in kinds.split("p") if run]
     plain_runs = [run for run in kinds.split("s") if run]
-    assert plain_runs == ["p" * PLAIN_PROBE_STEPS] * len(plain_runs)
+    assert plain_runs == ["p" * probe_steps] * len(plain_runs)
     early = PLAIN_SAMPLES // 2  # probes (two timed steps each) until PLAIN_SAMPLES are timed
     assert spec_runs[:early] == [round(PROBE_STEPS / 0.05) - 1] * early  # the probe is the 40th
-    assert spec_runs[early:-1] == [round(PLAIN_PROBE_STEPS / 0.05) - 1] * (
-        len(spec_runs) - early - 1
-    )
+    assert spec_runs[early:-1] == [round(probe_steps / 0.05) - 1] * (len(spec_runs) - early - 1)
     assert ctrl.cost.observations_of(0.0) == 2 * len(plain_runs)
 
 
