@@ -163,6 +163,8 @@ def main() -> None:
             ap.error(f"{p} has no {what}: make the toy pair first (docs/benchmarks.md)")
     if args.trials < 1 or args.repeats < 1 or args.batch < 1 or args.max_k < 1:
         ap.error("--trials, --repeats, --batch and --max-k must be ≥ 1")
+    if args.settle is not None and args.settle < 0:
+        ap.error(f"--settle must be ≥ 0 steps, got {args.settle}")
     torch.set_num_threads(1)
     model = load_model(args.target).eval()
     codec = TextCodec(
