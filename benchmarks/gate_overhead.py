@@ -16,7 +16,16 @@ target, in one process:
 Protocol as ``benchmarks/rollout.py``: engines warmed (``RolloutEngine.warmup()`` when compiled,
 then two runs), each repeat a fresh set of B addition prompts decoded by every engine in a
 rotated order, one torch thread, thread CPU time; per repeat each engine's tokens/s over plain's,
-reported as the median and quartiles over repeats, with the speculative steps it took.
+reported as the median and quartiles over repeats, with the speculative steps it took.  The
+held-off engines start with the gate off at every batch size (a fresh gate starts on, and with
+no plain step measured it may never turn off: EAGLE-3 alone at batch 1 would speculate).
+
+Then where an engine's time goes, step by step (every ``step()`` of the measured repeats timed
+and classed): prefill (no decode step in it), plain, plain right after a speculative step (it
+pays the switch back: caches the drafting evicted), speculative with the gate off (a probe)
+and speculative with the gate on; per class its steps, tokens, µs per step and µs per token
+over the plain engine's plain steps, and the time it took beyond what the plain engine's
+plain steps would have taken for its tokens ("excess", as a share of the engine's total).
 
     python benchmarks/gate_overhead.py --compile --repeats 21
     python benchmarks/gate_overhead.py --quick     # 3 repeats, eager
@@ -33,6 +42,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,17 +54,66 @@ from specrl.rl.tasks import AdditionTask
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 
 MAX_K = 4
+HELD = {"probe": 0.0, "hysteresis": math.inf}  # once off at a batch size, never on again there
 
 
 def configs(draft: Path) -> dict[str, SpecConfig | None]:
     eagle = {"eagle3": {"path": str(draft)}}
-    held = {"probe": 0.0, "hysteresis": math.inf}
     return {
         "plain": None,
-        "ngram (held off)": SpecConfig(("ngram",), max_k=MAX_K, **held),
-        "eagle3 (held off)": SpecConfig(("eagle3",), max_k=MAX_K, proposer_options=eagle, **held),
+        "ngram (held off)": SpecConfig(("ngram",), max_k=MAX_K, **HELD),
+        "eagle3 (held off)": SpecConfig(("eagle3",), max_k=MAX_K, proposer_options=eagle, **HELD),
         "best-of-N": SpecConfig(("eagle3", "ngram"), max_k=MAX_K, proposer_options=eagle),
     }
+
+
+def hold_off(engine: RolloutEngine, max_batch: int) -> None:
+    """Start ``engine``'s gate off at every batch size (held: no probe turns it on)."""
+    gate = engine.controller.gate
+    gate.states.update(dict.fromkeys(range(1, max_batch + 1), False))
+    gate.on = False
+
+
+STEP_CLASSES = ("prefill", "plain", "plain after speculative", "probe (gate off)", "gate on")
+
+
+class StepLog:
+    """Times and classes every ``step()`` of an engine (see the module docstring)."""
+
+    def __init__(self, engine: RolloutEngine, clock: Callable[[], float]) -> None:
+        self.engine, self.clock = engine, clock
+        self.recording = False
+        self.totals = {c: [0.0, 0, 0] for c in STEP_CLASSES}  # seconds, tokens, steps
+        self.times: dict[str, list[float]] = {c: [] for c in STEP_CLASSES}  # each step's
+        self._last_speculative = False
+        self._step = engine.step
+        engine.step = self  # type: ignore[method-assign]
+
+    def __call__(self) -> list:
+        ctrl = self.engine.controller  # a plain engine's too (it counts plain steps)
+        before = ctrl.spec_steps, ctrl.plain_steps
+        tokens = self.engine._tokens  # the engine's running count (stats() builds much more)
+        t0 = self.clock()
+        out = self._step()
+        seconds = self.clock() - t0
+        if not self.recording:
+            return out
+        speculative = ctrl.spec_steps > before[0]
+        decoded = speculative or ctrl.plain_steps > before[1]
+        if not decoded:
+            cls = "prefill"
+        elif speculative:
+            cls = "gate on" if ctrl.gate.on else "probe (gate off)"
+        else:
+            cls = "plain after speculative" if self._last_speculative else "plain"
+        if decoded:
+            self._last_speculative = speculative
+        row = self.totals[cls]
+        row[0] += seconds
+        row[1] += self.engine._tokens - tokens
+        row[2] += 1
+        self.times[cls].append(seconds)
+        return out
 
 
 def main() -> None:
@@ -79,11 +138,15 @@ def main() -> None:
     codec = TextCodec(load_tokenizer(args.target), model.config.bos_token_id,
                       model.config.eos_token_id)  # fmt: skip
     engines = {}
+    logs = {}
     for name, spec in configs(args.draft).items():
         engines[name] = RolloutEngine(
             model, codec=codec, max_batch_size=args.batch, spec=spec, seed=0,
             compile=args.compile, clock=clock,
         )  # fmt: skip
+        if spec is not None and spec.probe == HELD["probe"]:
+            hold_off(engines[name], args.batch)
+        logs[name] = StepLog(engines[name], clock)
 
     def run(engine: RolloutEngine, seed: int) -> int:
         problems = AdditionTask().sample(random.Random(seed), args.batch)
@@ -99,6 +162,8 @@ def main() -> None:
         for w in range(2):
             run(engine, 10_000 + w)
     names = list(engines)
+    for log in logs.values():
+        log.recording = True
     rates: dict[str, list[float]] = {n: [] for n in names}
     spec_steps = dict.fromkeys(names, 0)
     steps = dict.fromkeys(names, 0)
@@ -112,6 +177,9 @@ def main() -> None:
             after = engine.controller.spec_steps, engine.controller.plain_steps
             spec_steps[name] += after[0] - before[0]
             steps[name] += sum(after) - sum(before)
+    for name in names:
+        if name.endswith("(held off)") and spec_steps[name]:
+            raise SystemExit(f"{name} speculated in {spec_steps[name]} steps: not held off")
     rows = []
     for name in names:
         ratios = [a / b for a, b in zip(rates[name], rates["plain"], strict=True)]
@@ -146,6 +214,18 @@ def main() -> None:
     print("| " + " | ".join(cols) + " |\n|" + " --- |" * len(cols))
     for row in rows:
         print("| " + " | ".join(str(row[c]) for c in cols) + " |")
+    step_rows = step_classes(logs)
+    table = Table(title="where the time goes: steps by class (measured repeats)")
+    step_cols = ("variant", "class", "steps", "tokens", "us_step", "us_token", "vs_plain_step",
+                 "median_us_step", "median_vs_plain", "excess_share")  # fmt: skip
+    for c in step_cols:
+        table.add_column(c, justify="left" if c in ("variant", "class") else "right")
+    for row in step_rows:
+        table.add_row(*(str(row[c]) for c in step_cols))
+    Console(width=160).print(table)
+    print("| " + " | ".join(step_cols) + " |\n|" + " --- |" * len(step_cols))
+    for row in step_rows:
+        print("| " + " | ".join(str(row[c]) for c in step_cols) + " |")
     meta = {
         "command": " ".join(["python", *sys.argv]),
         "target": str(args.target),
@@ -159,7 +239,47 @@ def main() -> None:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
-    atomic_write_text(args.out, json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    payload = {"meta": meta, "rows": rows, "steps": step_rows}
+    atomic_write_text(args.out, json.dumps(payload, indent=2) + "\n")
+
+
+def step_classes(logs: dict[str, StepLog]) -> list[dict]:
+    """Per engine and step class: steps, tokens, µs per step (mean and median) and per token,
+    the time per token over the plain engine's plain steps (prefill: per step over the plain
+    engine's prefill steps), the median step over the plain engine's median plain step (robust
+    to this machine's slow spells, which the means are not), and the excess over the plain
+    rates as a share of the engine's measured time."""
+    ref = logs["plain"].totals
+    plain_median = statistics.median(logs["plain"].times["plain"])
+    plain_token = ref["plain"][0] / max(ref["plain"][1], 1)
+    prefill_step = ref["prefill"][0] / max(ref["prefill"][2], 1)
+    out = []
+    for name, log in logs.items():
+        total = sum(row[0] for row in log.totals.values())
+        for cls, (seconds, tokens, steps) in log.totals.items():
+            if not steps:
+                continue
+            expected = prefill_step * steps if cls == "prefill" else plain_token * tokens
+            rel = (
+                seconds / steps / prefill_step
+                if cls == "prefill"
+                else (seconds / tokens / plain_token if tokens else math.inf)
+            )
+            out.append(
+                {
+                    "variant": name,
+                    "class": cls,
+                    "steps": steps,
+                    "tokens": tokens,
+                    "us_step": round(seconds / steps * 1e6, 1),
+                    "us_token": round(seconds / tokens * 1e6, 1) if tokens else None,
+                    "vs_plain_step": round(rel, 3),
+                    "median_us_step": round(statistics.median(log.times[cls]) * 1e6, 1),
+                    "median_vs_plain": round(statistics.median(log.times[cls]) / plain_median, 3),
+                    "excess_share": round((seconds - expected) / total, 4) if total else 0.0,
+                }
+            )
+    return out
 
 
 if __name__ == "__main__":
