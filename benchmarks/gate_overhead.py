@@ -55,14 +55,15 @@ from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 
 MAX_K = 4
 HELD = {"probe": 0.0, "hysteresis": math.inf}  # once off at a batch size, never on again there
+HELD_OFF = " (held off)"  # the names of the engines whose gate starts (and stays) off
 
 
 def configs(draft: Path) -> dict[str, SpecConfig | None]:
     eagle = {"eagle3": {"path": str(draft)}}
     return {
         "plain": None,
-        "ngram (held off)": SpecConfig(("ngram",), max_k=MAX_K, **HELD),
-        "eagle3 (held off)": SpecConfig(("eagle3",), max_k=MAX_K, proposer_options=eagle, **HELD),
+        "ngram" + HELD_OFF: SpecConfig(("ngram",), max_k=MAX_K, **HELD),
+        "eagle3" + HELD_OFF: SpecConfig(("eagle3",), max_k=MAX_K, proposer_options=eagle, **HELD),
         "best-of-N": SpecConfig(("eagle3", "ngram"), max_k=MAX_K, proposer_options=eagle),
     }
 
@@ -83,8 +84,8 @@ class StepLog:
     def __init__(self, engine: RolloutEngine, clock: Callable[[], float]) -> None:
         self.engine, self.clock = engine, clock
         self.recording = False
-        self.totals = {c: [0.0, 0, 0] for c in STEP_CLASSES}  # seconds, tokens, steps
-        self.times: dict[str, list[float]] = {c: [] for c in STEP_CLASSES}  # each step's
+        self.times: dict[str, list[float]] = {c: [] for c in STEP_CLASSES}  # seconds per step
+        self.tokens = dict.fromkeys(STEP_CLASSES, 0)  # tokens emitted, per class
         self._last_speculative = False
         self._step = engine.step
         engine.step = self  # type: ignore[method-assign]
@@ -108,11 +109,8 @@ class StepLog:
             cls = "plain after speculative" if self._last_speculative else "plain"
         if decoded:
             self._last_speculative = speculative
-        row = self.totals[cls]
-        row[0] += seconds
-        row[1] += self.engine._tokens - tokens
-        row[2] += 1
         self.times[cls].append(seconds)
+        self.tokens[cls] += self.engine._tokens - tokens
         return out
 
 
@@ -144,7 +142,7 @@ def main() -> None:
             model, codec=codec, max_batch_size=args.batch, spec=spec, seed=0,
             compile=args.compile, clock=clock,
         )  # fmt: skip
-        if spec is not None and spec.probe == HELD["probe"]:
+        if name.endswith(HELD_OFF):
             hold_off(engines[name], args.batch)
         logs[name] = StepLog(engines[name], clock)
 
@@ -178,7 +176,7 @@ def main() -> None:
             spec_steps[name] += after[0] - before[0]
             steps[name] += sum(after) - sum(before)
     for name in names:
-        if name.endswith("(held off)") and spec_steps[name]:
+        if name.endswith(HELD_OFF) and spec_steps[name]:
             raise SystemExit(f"{name} speculated in {spec_steps[name]} steps: not held off")
     rows = []
     for name in names:
@@ -196,36 +194,17 @@ def main() -> None:
                 "tok_s_runs": [round(x, 1) for x in rates[name]],
             }
         )
-    from rich.console import Console
-    from rich.table import Table
-
     title = (
         f"gated-off cost, B={args.batch}, T={args.temperature}, "
         f"{'compiled' if args.compile else 'eager'}, median of {repeats}"
     )
-    table = Table(title=title)
     cols = ("variant", "tok_s", "vs_plain", "vs_plain_q1", "vs_plain_q3", "spec_steps",
             "decode_steps")  # fmt: skip
-    for c in cols:
-        table.add_column(c, justify="left" if c == "variant" else "right")
-    for row in rows:
-        table.add_row(*(str(row[c]) for c in cols))
-    Console(width=160).print(table)
-    print("| " + " | ".join(cols) + " |\n|" + " --- |" * len(cols))
-    for row in rows:
-        print("| " + " | ".join(str(row[c]) for c in cols) + " |")
+    show(title, cols, rows)
     step_rows = step_classes(logs)
-    table = Table(title="where the time goes: steps by class (measured repeats)")
     step_cols = ("variant", "class", "steps", "tokens", "us_step", "us_token", "vs_plain_step",
                  "median_us_step", "median_vs_plain", "excess_share")  # fmt: skip
-    for c in step_cols:
-        table.add_column(c, justify="left" if c in ("variant", "class") else "right")
-    for row in step_rows:
-        table.add_row(*(str(row[c]) for c in step_cols))
-    Console(width=160).print(table)
-    print("| " + " | ".join(step_cols) + " |\n|" + " --- |" * len(step_cols))
-    for row in step_rows:
-        print("| " + " | ".join(str(row[c]) for c in step_cols) + " |")
+    show("where the time goes: steps by class (measured repeats)", step_cols, step_rows)
     meta = {
         "command": " ".join(["python", *sys.argv]),
         "target": str(args.target),
@@ -243,28 +222,45 @@ def main() -> None:
     atomic_write_text(args.out, json.dumps(payload, indent=2) + "\n")
 
 
+def show(title: str, cols: tuple[str, ...], rows: list[dict]) -> None:
+    """A Rich table of ``rows``, then the same as Markdown."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("variant", "class") else "right")
+    for row in rows:
+        table.add_row(*(str(row[c]) for c in cols))
+    Console(width=160).print(table)
+    print("| " + " | ".join(cols) + " |\n|" + " --- |" * len(cols))
+    for row in rows:
+        print("| " + " | ".join(str(row[c]) for c in cols) + " |")
+
+
 def step_classes(logs: dict[str, StepLog]) -> list[dict]:
-    """Per engine and step class: steps, tokens, µs per step (mean and median) and per token,
-    the time per token over the plain engine's plain steps (prefill: per step over the plain
-    engine's prefill steps), the median step over the plain engine's median plain step (robust
-    to this machine's slow spells, which the means are not), and the excess over the plain
-    rates as a share of the engine's measured time."""
-    ref = logs["plain"].totals
-    plain_median = statistics.median(logs["plain"].times["plain"])
-    plain_token = ref["plain"][0] / max(ref["plain"][1], 1)
-    prefill_step = ref["prefill"][0] / max(ref["prefill"][2], 1)
+    """Per engine and step class: steps, tokens, µs per step (mean and median) and per token;
+    against the plain engine (its prefill steps for prefill, its plain steps otherwise): the
+    mean time per token (prefill: per step), the median step (robust to this machine's slow
+    spells, which the means are not), and the excess over its rates as a share of the engine's
+    measured time."""
+    ref = logs["plain"]
+
+    def rate(cls: str) -> tuple[float, float]:  # (mean seconds per unit, median step)
+        times = ref.times[cls]
+        units = len(times) if cls == "prefill" else ref.tokens[cls]
+        return sum(times) / max(units, 1), statistics.median(times)
+
+    base = {"prefill": rate("prefill"), "decode": rate("plain")}
     out = []
     for name, log in logs.items():
-        total = sum(row[0] for row in log.totals.values())
-        for cls, (seconds, tokens, steps) in log.totals.items():
-            if not steps:
+        total = sum(sum(times) for times in log.times.values())
+        for cls, times in log.times.items():
+            if not times:
                 continue
-            expected = prefill_step * steps if cls == "prefill" else plain_token * tokens
-            rel = (
-                seconds / steps / prefill_step
-                if cls == "prefill"
-                else (seconds / tokens / plain_token if tokens else math.inf)
-            )
+            per_unit, median = base["prefill" if cls == "prefill" else "decode"]
+            steps, tokens, seconds = len(times), log.tokens[cls], sum(times)
+            units = steps if cls == "prefill" else tokens
             out.append(
                 {
                     "variant": name,
@@ -273,10 +269,10 @@ def step_classes(logs: dict[str, StepLog]) -> list[dict]:
                     "tokens": tokens,
                     "us_step": round(seconds / steps * 1e6, 1),
                     "us_token": round(seconds / tokens * 1e6, 1) if tokens else None,
-                    "vs_plain_step": round(rel, 3),
-                    "median_us_step": round(statistics.median(log.times[cls]) * 1e6, 1),
-                    "median_vs_plain": round(statistics.median(log.times[cls]) / plain_median, 3),
-                    "excess_share": round((seconds - expected) / total, 4) if total else 0.0,
+                    "vs_plain_step": round(seconds / units / per_unit, 3) if units else None,
+                    "median_us_step": round(statistics.median(times) * 1e6, 1),
+                    "median_vs_plain": round(statistics.median(times) / median, 3),
+                    "excess_share": round((seconds - per_unit * units) / total, 4),
                 }
             )
     return out
