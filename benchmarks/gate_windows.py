@@ -49,15 +49,8 @@ SHORT_WINDOW = 256  # the fits' window before COST_WINDOW
 VARIANTS = ("plain", f"best-of-N, last {SHORT_WINDOW} samples", "best-of-N, age-bounded")
 
 
-FIXED_PROBES = "best-of-N, gate-on probes spaced whatever S is"
-
-
-def variant_names(settle: int | None, fixed_probes: bool = False) -> tuple[str, str, str]:
-    """The engines compared: the windows (default), plain probes' settling (``--settle``), or
-    gate-on plain probes spaced whatever S is, t_p trusted after 2 samples (before), against
-    the defaults (``--fixed-probes``)."""
-    if fixed_probes:
-        return ("plain", FIXED_PROBES, "best-of-N, defaults")
+def variant_names(settle: int | None) -> tuple[str, str, str]:
+    """The engines compared: the windows (default), or plain probes' settling (``--settle``)."""
     if settle is None:
         return VARIANTS
     return ("plain", "best-of-N, defaults", f"best-of-N, plain probes settle {settle}")
@@ -65,7 +58,7 @@ def variant_names(settle: int | None, fixed_probes: bool = False) -> tuple[str, 
 
 def engines(
     model: Transformer, codec: TextCodec, draft: Path, batch: int, max_k: int, seed: int,
-    compile: bool = False, settle: int | None = None, fixed_probes: bool = False,
+    compile: bool = False, settle: int | None = None,
 ) -> dict[str, RolloutEngine]:  # fmt: skip
     def spec(window: int) -> SpecConfig:
         return SpecConfig(
@@ -75,11 +68,10 @@ def engines(
             cost_window=window,
         )
 
-    names = variant_names(settle, fixed_probes)
+    names = variant_names(settle)
     # the windows: 256 samples against age-bounded; or, with settle, the defaults against plain
-    # probes that settle `settle` steps; or fixed gate-on probes against the defaults
-    short = settle is None and not fixed_probes
-    second = spec(SHORT_WINDOW if short else COST_WINDOW)
+    # probes that settle `settle` steps
+    second = spec(SHORT_WINDOW if settle is None else COST_WINDOW)
     specs = {names[0]: None, names[1]: second, names[2]: spec(COST_WINDOW)}
     built = {
         name: RolloutEngine(
@@ -97,9 +89,6 @@ def engines(
         ctrl = built[names[2]].controller
         ctrl.settle_steps[False] = settle
         ctrl.plain_probe_steps = settle + PLAIN_PROBE_STEPS - SETTLE_STEPS[False]
-    if fixed_probes:
-        ctrl = built[names[1]].controller
-        ctrl.plain_samples, ctrl.plain_probe_near = 2, 1.0
     for engine in built.values():
         engine.warmup()  # compiled: every decode graph now (eager: nothing)
     return built
@@ -108,10 +97,9 @@ def engines(
 def trial(
     model: Transformer, codec: TextCodec, draft: Path, batch: int, greedy: bool, repeats: int,
     max_k: int, seed: int, compile: bool = False, settle: int | None = None,
-    fixed_probes: bool = False,
 ) -> dict[str, dict]:  # fmt: skip
     """One trial: fresh engines (their bandits seeded with ``seed``), warm-up, measured runs."""
-    built = engines(model, codec, draft, batch, max_k, seed, compile, settle, fixed_probes)
+    built = engines(model, codec, draft, batch, max_k, seed, compile, settle)
     count, names = max(batch, 8), list(built)
     for w in range(2):
         prompts = prompt_set(codec, count, 10_000 + 100 * seed + w)
@@ -167,13 +155,6 @@ def main() -> None:
         help="compare settling instead: both engines age-bounded, the second's plain probes "
         "settle this many steps (default SETTLE_STEPS[plain]) before their two timed ones",
     )
-    ap.add_argument(
-        "--fixed-probes",
-        action="store_true",
-        help="compare gate-on plain probes instead: both engines age-bounded, the first's "
-        "probes spaced whatever S is and t_p trusted after 2 plain samples (before "
-        "PLAIN_PROBE_MARGIN, PLAIN_PROBE_NEAR and PLAIN_SAMPLES = 8)",
-    )
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gate_windows.json"))
     args = ap.parse_args()
@@ -184,8 +165,6 @@ def main() -> None:
         ap.error("--trials, --repeats, --batch and --max-k must be ≥ 1")
     if args.settle is not None and args.settle < 0:
         ap.error(f"--settle must be ≥ 0 steps, got {args.settle}")
-    if args.settle is not None and args.fixed_probes:
-        ap.error("--settle and --fixed-probes compare different things: give one")
     torch.set_num_threads(1)
     model = load_model(args.target).eval()
     codec = TextCodec(
@@ -196,7 +175,7 @@ def main() -> None:
     for t in range(args.trials):
         res = trial(
             model, codec, args.draft, args.batch, greedy, args.repeats, args.max_k, t,
-            args.compile, args.settle, args.fixed_probes,
+            args.compile, args.settle,
         )  # fmt: skip
         trials.append(res)
         print(
@@ -209,7 +188,7 @@ def main() -> None:
             )
         )
     summary = []
-    names = variant_names(args.settle, args.fixed_probes)
+    names = variant_names(args.settle)
     for name in names[1:]:
         ratios = [tr[name]["vs_plain"] for tr in trials]
         shares = [tr[name]["spec_share"] for tr in trials]
@@ -266,7 +245,6 @@ def main() -> None:
         "max_k": args.max_k,
         "compile": args.compile,
         "settle": args.settle,
-        "fixed_probes": args.fixed_probes,
         "variants": list(names),
         "trials": args.trials,
         "repeats": args.repeats,

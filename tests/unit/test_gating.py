@@ -20,8 +20,6 @@ from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 from specrl.rollout.gating import (
     COST_MAX_AGE,
     COST_WINDOW,
-    PLAIN_PROBE_MARGIN,
-    PLAIN_PROBE_NEAR,
     PLAIN_PROBE_STEPS,
     PLAIN_SAMPLES,
     PROBE_STEPS,
@@ -467,55 +465,6 @@ def test_gate_on_plain_probes_settle_then_time_two_steps(settle):
     assert spec_runs[:early] == [round(PROBE_STEPS / 0.05) - 1] * early  # the probe is the 40th
     assert spec_runs[early:-1] == [round(probe_steps / 0.05) - 1] * (len(spec_runs) - early - 1)
     assert ctrl.cost.observations_of(0.0) == 2 * len(plain_runs)
-
-
-def _cold_start(ctrl: SpecController, cold: float, accept: float, spec: float = 1.6):
-    """One arm ("x", k = 1) at batch 1: a plain step takes 1.0, except the first two timed
-    ones (an engine's cold start: ``cold``), a speculative one ``spec``, a draft is accepted
-    with probability ``accept``.  Over 4000 steps: (the step the gate first turned off at or
-    None, tokens per simulated second)."""
-    arm, rng = Arm("x", 1), random.Random(0)
-    off_at, tokens, seconds = None, 0, 0.0
-    for step in range(4000):
-        arms = ctrl.plan(1)
-        if arms is None:
-            t = cold if ctrl.cost.observations_of(0.0) < 2 else 1.0
-            ctrl.record_step(1, 1, t, 1)
-            tokens, seconds = tokens + 1, seconds + 1.0
-        else:
-            emitted = 2 if rng.random() < accept else 1
-            ctrl.record_step(2, 2, spec, 1)
-            ctrl.record(arm, 1, emitted)
-            tokens, seconds = tokens + emitted, seconds + spec
-        if off_at is None and not ctrl.gate.on:
-            off_at = step
-    return off_at, tokens / seconds
-
-
-def test_gate_on_plain_probes_come_closer_near_break_even():
-    """An engine's first plain steps run cold: here the first two timed ones take 1.6× a plain
-    step, so t_p starts 60 % high and speculation, which loses (S = 1.5 · 1.0 / 1.6 = 0.94),
-    reads S = 1.5.  Plain probes every PROBE_STEPS / probe steps until PLAIN_SAMPLES are timed,
-    then closer together the nearer S gets to 1 (PLAIN_PROBE_MARGIN, PLAIN_PROBE_NEAR), correct
-    t_p and turn the gate off within ~130 steps; spaced whatever S is (``plain_probe_near`` =
-    1), they take ~900.  Where speculation wins by 9 % the closer probes cost under 1 %."""
-    assert PLAIN_SAMPLES == 8 and PLAIN_PROBE_MARGIN == 0.3 and PLAIN_PROBE_NEAR == 0.25
-    fixed = SpecController(["x"], 1, probe=0.05, seed=0)
-    fixed.plain_probe_near = 1.0
-    near_off, _ = _cold_start(SpecController(["x"], 1, probe=0.05, seed=0), 1.6, 0.5)
-    fixed_off, _ = _cold_start(fixed, 1.6, 0.5)
-    assert near_off is not None and near_off < 200
-    assert fixed_off is not None and fixed_off > 4 * near_off
-    # S = 1.75 · 1.0 / 1.6 = 1.09: the gate stays on either way
-    won = SpecController(["x"], 1, probe=0.05, seed=0)
-    fixed = SpecController(["x"], 1, probe=0.05, seed=0)
-    fixed.plain_probe_near = 1.0
-    (won_off, rate), (fixed_off, fixed_rate) = (
-        _cold_start(won, 1.0, 0.75),
-        _cold_start(fixed, 1.0, 0.75),
-    )
-    assert won_off is None and fixed_off is None
-    assert rate > 1.05 and rate > 0.99 * fixed_rate
 
 
 def test_gate_off_probe_clock_runs_per_batch_size():

@@ -489,17 +489,8 @@ PROBE_STEPS = SETTLE_STEPS[True] + 1  # a gate-off (speculative) probe
 PLAIN_PROBE_STEPS = SETTLE_STEPS[False] + 2  # a gate-on (plain) probe: two timed steps
 # timed plain steps the fit needs before gate-on plain probes space out to PLAIN_PROBE_STEPS /
 # probe speculative steps (until then every PROBE_STEPS / probe): an engine starts speculating
-# (the gate starts on), S without a measured plain step is a guess, and an engine's first
-# plain steps run cold (slow): eight samples, four probes, before t_p is trusted
-PLAIN_SAMPLES = 8
-# gate-on plain probes near break-even: below S = 1 + PLAIN_PROBE_MARGIN their spacing
-# (PLAIN_PROBE_STEPS / probe) shrinks by (S − 1) / PLAIN_PROBE_MARGIN, down to PLAIN_PROBE_NEAR
-# of it.  There a plain step costs little more than a speculative one, and t_p decides whether
-# the gate stays on: an estimate inflated by a slow spell, or by an engine's first cold steps,
-# is corrected in a few probes instead of several hundred steps (docs/benchmarks.md, "Gate-on
-# probes near break-even")
-PLAIN_PROBE_MARGIN = 0.3
-PLAIN_PROBE_NEAR = 0.25
+# (the gate starts on), and S without a measured plain step is a guess
+PLAIN_SAMPLES = 2
 # decode steps after which a timing sample leaves the cost fits (down to their min_keep per
 # kind): with the gate on, ~32 plain samples from probes; see CostModel's max_age
 COST_MAX_AGE = 2000
@@ -572,14 +563,10 @@ class SpecController:
         self._accept = {p: ChainAcceptance(max_k) for p in proposers}
         self.draft_cost = {p: DraftCost(cost_window, cost_max_age) for p in proposers}
         self._decode_steps = 0  # the cost models' clock (CostModel.max_age)
-        # steps of a run after a switch of kind that are no timing sample, a gate-on plain
-        # probe's length, the plain samples before its spacing widens and its closest spacing
-        # near break-even (the module's values; per controller for comparisons; 1.0: spaced
-        # whatever S is)
+        # steps of a run after a switch of kind that are no timing sample, and a gate-on plain
+        # probe's length (the module's values; per controller for comparisons)
         self.settle_steps = dict(SETTLE_STEPS)
         self.plain_probe_steps = PLAIN_PROBE_STEPS
-        self.plain_samples = PLAIN_SAMPLES
-        self.plain_probe_near = PLAIN_PROBE_NEAR
         # cache of _steady: the fits it was computed with, each arm's step time and the
         # acceptance samples it saw, the probe arms, the result
         self._fits_key: tuple = ()
@@ -744,12 +731,8 @@ class SpecController:
         a probe runs plain once in ``PLAIN_PROBE_STEPS / probe`` steps (every ``PROBE_STEPS /
         probe`` until the fit holds :data:`PLAIN_SAMPLES` timed plain steps), whatever S says:
         S itself depends on the plain step time t_p(B), which must be measured, not
-        extrapolated from speculative steps; near break-even (S < 1 + m, m =
-        :data:`PLAIN_PROBE_MARGIN`) the spacing shrinks by (S − 1)/m, down to
-        :data:`PLAIN_PROBE_NEAR` of it: there a plain step costs little more than a
-        speculative one, and t_p decides whether the gate stays on.
-        Either way about ``probe`` of the steps, at most (a few more until plain steps are
-        measured, up to ``probe / PLAIN_PROBE_NEAR`` at break-even).
+        extrapolated from speculative steps.  Either way about ``probe`` of the steps, at most
+        (a few more until plain steps are measured).
         """
         if self.bandit is None:
             self.plain_steps += 1
@@ -796,11 +779,9 @@ class SpecController:
                     allowed = probe_arms
             elif on:
                 self._spec_run += 1
-                measured = self.cost.observations_of(0.0) >= self.plain_samples
+                measured = self.cost.observations_of(0.0) >= PLAIN_SAMPLES
                 probe_steps = self.plain_probe_steps if measured else PROBE_STEPS
-                margin = (speedup - 1) / PLAIN_PROBE_MARGIN
-                near = min(1.0, max(self.plain_probe_near, margin))
-                spacing = probe_steps * near / max(self.probe, 1e-9)
+                spacing = probe_steps / max(self.probe, 1e-9)
                 if self.probe > 0 and self._spec_run >= spacing:
                     self._probe_left, self._probe_plain = self.plain_probe_steps - 1, True
                     return self._plain()
