@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specrl.cli.app import main
-from specrl.cli.rollout import build_engine
+from specrl.cli.rollout import rollout_config
 from specrl.models.checkpoint import load_model, save_model
 from specrl.models.decoder import Transformer
 from specrl.models.draft import DraftConfig, Eagle3Draft, build_vocab_map, init_draft_weights
@@ -22,6 +22,7 @@ from specrl.models.draft_io import save_draft
 from specrl.models.presets import preset_config
 from specrl.models.tokenizer import char_tokenizer, special_ids
 from specrl.rollout import Request, SamplingParams
+from specrl.rollout.factory import build_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
@@ -124,7 +125,7 @@ def test_rollout_writes_samples_and_a_json_summary(
     ]
     assert rows[0]["answer"] == "46" and "answer" not in rows[4]
     assert summary["tokens"] == sum(len(r["tokens"]) for r in rows)
-    engine, _ = build_engine(checkpoint, "none", 4, 4, "cpu", 0)
+    engine = build_engine(rollout_config("none", 4, 4, False, None), checkpoint, device="cpu")
     params = SamplingParams(max_tokens=10, temperature=0)
     direct = engine.generate([Request(r["prompt"], params) for r in RECORDS])
     for row in rows:
@@ -145,7 +146,7 @@ def test_draft_adds_the_eagle3_drafter(checkpoint, draft, tmp_path, monkeypatch,
     assert code == 0
     summary = json.loads(stdout)
     assert {arm.split("/")[0] for arm in summary["selections"]} == {"ngram", "eagle3"}
-    engine, _ = build_engine(checkpoint, "none", 4, 4, "cpu", 0)
+    engine = build_engine(rollout_config("none", 4, 4, False, None), checkpoint, device="cpu")
     direct = engine.generate([Request(r["prompt"], SamplingParams(12, 0.0)) for r in RECORDS])
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert [r["tokens"] for r in rows] == [d.tokens for d in direct]  # lossless under greedy
