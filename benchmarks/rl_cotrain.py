@@ -37,7 +37,7 @@ import torch
 
 from specrl.config import Recipe, load_recipe
 from specrl.train.artifacts import ensure_artifacts
-from specrl.train.loop import RLTrainer
+from specrl.train.loop import build_trainer
 from specrl.train.plots import compare_runs
 
 RESULTS = Path(__file__).parent / "results"
@@ -103,7 +103,7 @@ def main() -> None:
     base = load_recipe(args.recipe, Recipe, args.overrides)
     ensure_artifacts(base)
     trainers = {
-        m: RLTrainer(
+        m: build_trainer(
             load_recipe(args.recipe, Recipe, [*args.overrides, *mode_overrides(m, out, args.steps)])
         )
         for m in MODES

@@ -106,11 +106,11 @@ def _recipe(base: Path, run: str, sets: list[str]) -> Recipe:
 
 def _update(rank: int, world: int, base: Path, layouts: list[list[str]], samples) -> list:
     """Per layout: the update's metrics and (rank 0) the whole policy and draft after the sync."""
-    from specrl.train.loop import RLTrainer
+    from specrl.train.loop import build_trainer
 
     out = []
     for i, sets in enumerate(layouts):
-        trainer = RLTrainer(_recipe(base, f"run-{world}-{i}", sets))
+        trainer = build_trainer(_recipe(base, f"run-{world}-{i}", sets))
         metrics = trainer.update(samples)
         trainer.sync_engine(1)
         state = None

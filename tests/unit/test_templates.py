@@ -9,7 +9,7 @@ import pytest
 from specrl.config import Recipe, load_recipe
 from specrl.errors import LayoutError
 from specrl.models.presets import preset_config
-from specrl.train.parallelize import check_layout, check_model
+from specrl.train.layout import check_layout, check_model
 
 TEMPLATES = sorted((Path(__file__).resolve().parents[2] / "recipes/templates").glob("*.yaml"))
 

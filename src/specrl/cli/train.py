@@ -24,7 +24,8 @@ def train_command(
     json_out: JsonOpt = False,
 ) -> None:
     """Warm-start/initialise what is missing, then RL with a co-trained draft."""
-    from specrl.train.loop import RLTrainer, summarize
+    from specrl.train.loop import build_trainer
+    from specrl.train.metrics import summarize
 
     rec = load(recipe, overrides)
     with progress_bar("prepare", 1) as update:
@@ -32,7 +33,7 @@ def train_command(
         def prep(phase: str, done: int, total: int, info: str) -> None:
             update(done, total, f"{phase}: {info}")
 
-        trainer = RLTrainer(rec, source=str(recipe), resume=resume, progress=prep)
+        trainer = build_trainer(rec, source=str(recipe), resume=resume, progress=prep)
     rank0 = trainer.rank == 0
     for what, note in trainer.created.items():
         err.print(f"[dim]{what}:[/] {note}")

@@ -1,4 +1,5 @@
-"""Small process-group helpers: free ports, spawned CPU (gloo) worlds, rank-aware printing.
+"""Small process-group helpers: free ports, spawned CPU (gloo) worlds, rank-aware printing,
+flat gradient all-reduce.
 
 ``spawn(fn, world_size, *args)`` starts ``world_size`` fresh processes, initializes a process group
 in each (TCP store on 127.0.0.1, gloo by default, collectives time out after ``timeout`` seconds),
@@ -15,7 +16,7 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -41,6 +42,21 @@ def rank_print(*args: Any, all_ranks: bool = False, **kwargs: Any) -> None:
         print(f"[rank {rank}]", *args, **kwargs)
     elif rank == 0:
         print(*args, **kwargs)
+
+
+def all_reduce_grads(params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup | None) -> None:
+    """Sum the gradients of ``params`` over ``group`` in one flat collective per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 def _worker(

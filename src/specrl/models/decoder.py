@@ -11,11 +11,11 @@ Forward (``Transformer.forward``) always takes *packed* tokens ``[T]`` with a
 - cached decoding/verification: the same, plus a :class:`KVCache` and per-sequence slots and
   prefix lengths (each sequence may bring a different number of new tokens).
 
-Taps (REFERENCE §2): ``taps=[X, …]`` returns the **output of decoder layer X** (0-based; this is
+Taps: ``taps=[X, …]`` returns the **output of decoder layer X** (0-based; this is
 SpecForge's convention, vLLM's id is X + 1), detached.
 
 Context parallelism is a hook, not a branch: every :class:`Attention` hands its ``cp`` attribute
-(None unless ``specrl.train.parallelize.use_context_parallel`` set a
+(None unless :meth:`Transformer.use_context_parallel` set a
 :class:`~specrl.core.attention.CPContext`) to :func:`~specrl.core.attention.attention`, which routes
 packed training forwards over the zigzag ring.  The model code is the same either way.
 """
@@ -344,6 +344,12 @@ class Transformer(nn.Module):
 
     def layer(self, i: int) -> DecoderLayer:
         return self.model.layers[str(i)]
+
+    def use_context_parallel(self, cp: CPContext | None) -> None:
+        """Route every attention layer this model (or pipeline chunk) holds over the ring of
+        ``cp`` (None: local again); its packed forwards then take zigzag shards."""
+        for i in self.layer_ids:
+            self.layer(i).self_attn.cp = cp
 
     @property
     def dtype(self) -> torch.dtype:

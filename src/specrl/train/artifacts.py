@@ -3,7 +3,8 @@
 ``policy.path`` missing + ``policy.warmstart`` given → supervised warm-start writes it;
 ``draft.path`` missing + ``draft.init`` given (and ``draft.mode != none``) → init-draft writes it.
 Existing checkpoints are reused as they are, so a recipe can be re-run without redoing them.
-Only rank 0 creates; other ranks wait at a barrier (the caller's).
+:func:`prepare_run` is the trainer's entry point, called before the trainer is built: rank 0
+creates the run directory and what is missing while the other ranks wait at a barrier.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from specrl.config.loader import dump_recipe
 from specrl.config.schema import Recipe
 from specrl.errors import CheckpointError, ConfigError
 from specrl.models.draft_io import DRAFT_META
+from specrl.train.layout import TrainLayout
 
 Progress = Callable[[str, int, int, str], None]  # (phase, done, total, info)
 
@@ -101,3 +104,17 @@ def ensure_artifacts(recipe: Recipe, progress: Progress | None = None) -> dict[s
             f"{res.after['tau']} at k={res.after['k']}"
         )
     return done
+
+
+def prepare_run(recipe: Recipe, layout: TrainLayout, progress: Progress | None = None) -> dict:
+    """Rank 0: the run directory with ``recipe.resolved.yaml``, and the policy and draft
+    checkpoints the recipe can create (:func:`ensure_artifacts`); every rank then meets at the
+    layout's barrier.  Returns what was created (empty on the other ranks)."""
+    created: dict[str, str] = {}
+    if layout.rank == 0:
+        run_dir = Path(recipe.run.directory)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_recipe(recipe, run_dir / "recipe.resolved.yaml")
+        created = ensure_artifacts(recipe, progress)
+    layout.barrier()
+    return created

@@ -6,7 +6,7 @@ log-probs and advantages; row t of a sequence predicts its token t + 1, so a res
 tokens after a prompt of p is learned on rows p − 1 … p + r − 2.  Under context parallelism
 :meth:`PackedBatch.shard` keeps a rank's zigzag rows of every per-token tensor with one index
 (pads: loss mask 0).  :func:`microbatches` cuts a minibatch into the pipeline's fixed number of
-microbatches, in the form ``PipelineCotrainer`` takes.
+microbatches (:class:`PackedMicrobatch`, what ``PipelineCotrainer`` takes).
 
 An empty minibatch or microbatch (possible with DAPO dynamic sampling) becomes one dummy token
 with loss mask 0, so every rank still runs the same collectives.
@@ -15,12 +15,11 @@ with loss mask 0, so every rank still runs the same collectives.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specrl.core.attention import PackedLayout, ZigzagPlan
-from specrl.train.pipeline_cotrain import PackedMicrobatch
 
 
 @dataclass
@@ -29,6 +28,16 @@ class Sample:
     response: list[int]
     old_logp: list[float]  # behaviour log-probs of the response tokens
     advantage: float
+
+
+@dataclass
+class PackedMicrobatch:
+    """One packed microbatch as the data loader hands it over (global, unsharded)."""
+
+    ids: torch.Tensor  # [T] int64 token ids of the sequences laid end to end
+    lengths: list[int]  # sequence lengths (Σ = T)
+    loss_mask: torch.Tensor  # [T] 1 where the prediction made at row t (of token t + 1) is learned
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)  # [T] extras for loss_fn
 
 
 @dataclass

@@ -53,3 +53,29 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+def summarize(run_dir: str | Path) -> dict[str, Any]:
+    """Start/end figures of a run from its metrics.jsonl (for the CLI summary)."""
+    recs = read_metrics(Path(run_dir) / "metrics.jsonl")
+    if not recs:
+        return {}
+    head, tail = recs[: max(1, len(recs) // 10)], recs[-max(1, len(recs) // 10) :]
+
+    def mean(rs, k):
+        vals = [r[k] for r in rs if r.get(k) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    out = {"steps": recs[-1]["step"]}
+    for k in ("reward", "tau", "rollout_tokens_per_s", "draft_sim_tau"):
+        out[f"{k}_start"] = mean(head, k)
+        out[f"{k}_end"] = mean(tail, k)
+    evals = [r["heldout_accuracy"] for r in recs if "heldout_accuracy" in r]
+    if evals:
+        out["heldout_accuracy_last"] = evals[-1]
+    out["spec_alarms"] = sum(r.get("spec_alarms", 0) for r in recs)
+    out["time_split"] = {
+        k: sum(r.get(k, 0.0) for r in recs)
+        for k in ("time_rollout", "time_policy_update", "time_draft_update", "time_sync")
+    }
+    return out

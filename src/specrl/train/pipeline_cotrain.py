@@ -51,15 +51,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from specrl.core.attention import CPContext, PackedLayout
 from specrl.core.attention.ttt import Mode
 from specrl.core.attention.zigzag import ZigzagPlan, shift_within_sequences
+from specrl.core.distributed import all_reduce_grads
 from specrl.core.parallel import ParallelGroups
 from specrl.core.pipeline import (
     ScheduleKind,
@@ -74,7 +76,15 @@ from specrl.core.transport import TapChannel, TapPlan, TapSpec, TapStats
 from specrl.errors import LayoutError
 from specrl.models.decoder import Transformer
 from specrl.models.draft import Eagle3Draft
-from specrl.train.parallelize import all_reduce_grads, use_context_parallel
+from specrl.train.batch import PackedMicrobatch, Sample, microbatches
+from specrl.train.layout import TrainLayout
+from specrl.train.strategy import (
+    DraftMode,
+    DraftResult,
+    MinibatchOutput,
+    Objective,
+    follow_embedding,
+)
 from specrl.train.ttt import (
     HaloShift,
     LossKind,
@@ -93,16 +103,6 @@ def masked_cross_entropy(logits: torch.Tensor, tokens: Mapping[str, torch.Tensor
     """Σ_t loss_mask[t] · CE(logits[t], labels[t]): next-token cross-entropy on learned rows."""
     ce = F.cross_entropy(logits, tokens["labels"], reduction="none")  # [T]
     return (ce * tokens["loss_mask"].to(ce.dtype)).sum()
-
-
-@dataclass
-class PackedMicrobatch:
-    """One packed microbatch as the data loader hands it over (global, unsharded)."""
-
-    ids: torch.Tensor  # [T] int64 token ids of the sequences laid end to end
-    lengths: list[int]  # sequence lengths (Σ = T)
-    loss_mask: torch.Tensor  # [T] 1 where the prediction made at row t (of token t + 1) is learned
-    fields: dict[str, torch.Tensor] = field(default_factory=dict)  # [T] extras for loss_fn
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ class PipelineCotrainer:
             self.layout.rank_stages(pp_rank), split_model(model, self.layout, pp_rank), strict=True
         ):
             if cp > 1:
-                use_context_parallel(chunk, self.cp)
+                chunk.use_context_parallel(self.cp)
             self.modules.append(StageModule(chunk, s, self.layout.num_stages, distinct))
         self.device = model.device
         self.stages = [
@@ -324,7 +324,7 @@ class PipelineCotrainer:
                 all_reduce_grads(list(self.draft.parameters()), same_params)
         policy_norm = draft_norm = None
         if policy_optimizer is not None:
-            policy_norm = self._clip_policy(params)
+            policy_norm = self.clip_policy_grads(self.config.policy_grad_clip)
             policy_optimizer.step()
         if draft_optimizer is not None and self.draft is not None:
             trainable = [p for p in self.draft.parameters() if p.requires_grad]
@@ -441,8 +441,10 @@ class PipelineCotrainer:
             real,
         )
 
-    def _clip_policy(self, params: Sequence[torch.nn.Parameter]) -> float:
-        """Global gradient norm over every stage (identical on all ranks); clip if configured."""
+    def clip_policy_grads(self, max_norm: float) -> float:
+        """The policy's global gradient norm over every stage (identical on all ranks), its
+        gradients clipped to ``max_norm`` (0 or inf: not clipped)."""
+        params = self.policy_parameters()
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in params:
             if p.grad is not None:
@@ -450,7 +452,7 @@ class PipelineCotrainer:
         if self.dims.pp > 1:
             dist.all_reduce(sq, group=self.groups["pp"])
         norm = float(sq.sqrt())
-        clip = self.config.policy_grad_clip
+        clip = max_norm
         if clip > 0 and norm > clip:
             for p in params:
                 if p.grad is not None:
@@ -485,3 +487,198 @@ class PipelineCotrainer:
             last = self.groups.ranks("pp")[-1]
             dist.broadcast(out, src=last, group=self.groups["pp"])
         return out.tolist()
+
+
+def stage_parameters(model: Transformer, stages: StageLayout, pp_rank: int) -> list[nn.Parameter]:
+    """The parameters of ``pp_rank``'s chunks of ``model``, in a rank-independent order."""
+    seen: dict[int, nn.Parameter] = {}
+    for chunk in split_model(model, stages, pp_rank):
+        for p in chunk.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def _unflat_(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+class StageSync:
+    """Parameter traffic of a pipelined policy between steps.
+
+    - after every policy optimizer step the embedding table goes from stage 0 to the last stage
+      over a dedicated two-rank group per pipeline, so the draft (whose frozen token embedding
+      *is* the policy's) never trains against a stale table;
+    - once per RL step every stage of the cp-rank-0 pipeline sends its parameters (the last
+      stage also the draft's) to the rollout rank, point to point.  Only that rank needs the
+      whole model, so this moves (pp − 1)/pp of the policy to one rank instead of to all.
+
+    Collective construction (every rank): creates the two-rank embedding links."""
+
+    def __init__(
+        self,
+        layout: TrainLayout,
+        stages: StageLayout,
+        policy: Transformer,
+        draft: nn.Module | None,
+    ) -> None:
+        assert layout.groups is not None and layout.dims.pp > 1
+        self.layout, self.stages, self.policy, self.draft = layout, stages, policy, draft
+        self.pipeline = layout.groups.ranks("pp")  # global ranks in stage order
+        pipelines = layout.dims.group_ranks("pp")
+        self.link, _ = dist.new_subgroups_by_enumeration([[p[0], p[-1]] for p in pipelines])
+
+    def _draft_params(self) -> list[nn.Parameter]:
+        if self.draft is None:
+            return []
+        return [p for p in self.draft.parameters() if p.requires_grad]
+
+    def broadcast_embedding(self) -> None:
+        """Stage 0's embedding table into the last stage's copy (which the draft reads)."""
+        if self.layout.pp_rank not in (0, self.layout.dims.pp - 1):
+            return
+        weight = self.policy.model.embed_tokens.weight.detach()  # [V, H]
+        dist.broadcast(weight, src=self.pipeline[0], group=self.link)
+
+    def gather(self) -> None:
+        """Every stage's parameters (and the draft's) into the rollout rank's model, in place."""
+        if self.layout.cp_rank != 0:
+            return
+        pp, me, group = self.layout.dims.pp, self.layout.pp_rank, self.layout.groups["pp"]
+        if me == 0:
+            for r in range(1, pp):
+                params = stage_parameters(self.policy, self.stages, r)
+                if r == pp - 1:
+                    params = [*params, *self._draft_params()]
+                for tensors in _by_dtype(params):
+                    flat = torch.empty(
+                        sum(t.numel() for t in tensors),
+                        dtype=tensors[0].dtype,
+                        device=tensors[0].device,
+                    )
+                    dist.recv(flat, src=self.pipeline[r], group=group)
+                    _unflat_(flat, tensors)
+            return
+        params = stage_parameters(self.policy, self.stages, me)
+        if me == pp - 1:
+            params = [*params, *self._draft_params()]
+        for tensors in _by_dtype(params):
+            dist.send(_flat(tensors), dst=self.pipeline[0], group=group)
+
+
+def _by_dtype(params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """``params`` grouped by dtype (first-seen order), each group in its given order."""
+    groups: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(p.dtype, []).append(p)
+    return list(groups.values())
+
+
+class PipelineStrategy:
+    """:class:`~specrl.train.strategy.PolicyStrategy` over pipeline stages: each minibatch cut
+    into ``num_microbatches`` microbatches through :class:`PipelineCotrainer` (the draft, when
+    co-trained, on the last stage from TapChannel taps).  The policy loss of a microbatch is the
+    clipped loss summed over its rows, divided by the global token count as everywhere; the
+    draft's objective is the mean over microbatches (and replicas) of per-microbatch token means
+    — the one-process objective when ``num_microbatches`` = 1 and dp = 1.  A frozen draft is
+    not measured here."""
+
+    def __init__(
+        self,
+        policy: Transformer,
+        layout: TrainLayout,
+        objective: Objective,
+        *,
+        schedule: ScheduleKind,
+        num_microbatches: int,
+        microbatch_tokens: int,
+        draft: Eagle3Draft | None = None,
+        pad_id: int = 0,
+    ) -> None:
+        """``draft``: the co-trained draft (None: the policy alone)."""
+        assert layout.groups is not None and layout.dims.pp > 1
+        obj = self.objective = objective
+        self.policy, self.layout, self.pad_id = policy, layout, pad_id
+        self.num_microbatches = num_microbatches
+        self.draft = draft if layout.hosts_draft else None
+        config = CotrainConfig(
+            schedule=schedule,
+            microbatch_tokens=microbatch_tokens,
+            ttt_steps=obj.ttt_steps,
+            ttt_loss=obj.ttt_loss,
+            ttt_decay=obj.ttt_decay,
+            draft_loss_weight=obj.draft_loss_weight,
+            ttt_mode=obj.ttt_cp_mode,
+            pad_id=pad_id,
+        )
+        self.pipeline = PipelineCotrainer(
+            policy,
+            layout.groups,
+            config,
+            num_microbatches=num_microbatches,
+            tap_layers=draft.config.tap_layers if draft is not None else (),
+            draft=self.draft,
+            loss_fn=self._microbatch_loss,
+        )
+        self.stage_sync = StageSync(layout, self.pipeline.layout, policy, draft)
+        self._sums: list[torch.Tensor] = []  # per microbatch [clipped, kl, ratio, nll, tokens]
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.pipeline.policy_parameters()
+
+    def forward_backward(self, samples: Sequence[Sample], *, draft: DraftMode) -> MinibatchOutput:
+        mbs = microbatches(samples, self.num_microbatches, self.policy.device, self.pad_id)
+        self._sums = []
+        stats = self.pipeline.step(mbs)  # gradients only: the trainer clips and steps
+        sums = torch.zeros(5, dtype=torch.float64)
+        for s in self._sums:
+            sums += s
+        self.layout.sum_(sums)  # the last stage's dp × cp ranks hold every row once
+        result = None
+        if stats.draft_loss is not None:
+            result = DraftResult(stats.draft_loss, stats.draft_acc, stats.draft_tau)
+        seconds = stats.seconds - stats.draft_seconds
+        return MinibatchOutput(stats.policy_loss, sums, result, seconds, stats.draft_seconds)
+
+    def _microbatch_loss(
+        self, logits: torch.Tensor, tokens: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """Σ of the clipped policy loss over this rank's rows of a microbatch (logits
+        [T_local, V], tokens [T_local] each); the pipeline divides by the global count."""
+        pl = self.objective.policy_loss(
+            logits,
+            tokens["labels"],
+            tokens["old_logp"],
+            tokens["advantages"],
+            tokens["loss_mask"],
+            normalizer=1.0,
+        )
+        self._sums.append(torch.tensor(pl.sums(), dtype=torch.float64))
+        return pl.loss
+
+    def clip_policy_(self, max_norm: float) -> float:
+        return self.pipeline.clip_policy_grads(max_norm)
+
+    def clip_draft_(self, params: Sequence[nn.Parameter], max_norm: float) -> float:
+        """The norm on the last stage (which holds the draft), sent along the pipeline."""
+        norm = torch.full((), float("nan"), dtype=torch.float64, device=self.layout.device)
+        if params:
+            norm.fill_(float(torch.nn.utils.clip_grad_norm_(list(params), max_norm or torch.inf)))
+        groups = self.layout.groups
+        assert groups is not None
+        dist.broadcast(norm, src=groups.ranks("pp")[-1], group=groups["pp"])
+        return float(norm)
+
+    def after_step(self) -> None:
+        self.stage_sync.broadcast_embedding()
+        follow_embedding(self.draft, self.policy)
+
+    def gather_weights(self) -> None:
+        self.stage_sync.gather()
