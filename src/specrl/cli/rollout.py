@@ -51,6 +51,14 @@ DraftOpt = Annotated[
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the engine (sampling, bandit).")]
+ChatOpt = Annotated[
+    bool,
+    typer.Option(
+        "--chat-template/--no-chat-template",
+        help="Encode each prompt as one user message through the checkpoint's chat template "
+        "(generation prompt included), as transformers' apply_chat_template does.",
+    ),
+]
 CompileOpt = Annotated[
     bool,
     typer.Option(
@@ -70,6 +78,7 @@ def build_engine(
     seed: int,
     draft: Path | None = None,
     compile: bool = False,
+    chat_template: bool = False,
 ):
     """Load the checkpoint (and a draft) and build a :class:`RolloutEngine` plus its codec."""
     from specrl.core.runtime import pick_device
@@ -79,12 +88,11 @@ def build_engine(
     from specrl.rollout import RolloutEngine, SpecConfig
 
     model = load_model(target, device=pick_device(device))
-    tok = load_tokenizer(target)
-    if tok is None:
+    if load_tokenizer(target) is None:
         raise CheckpointError(
             f"'{target}' has no tokenizer.json", hint="rollouts encode text prompts with it"
         )
-    codec = TextCodec(tok, model.config.bos_token_id, model.config.eos_token_id)
+    codec = TextCodec.from_checkpoint(target, model.config, chat=chat_template)
     names = tuple(p.strip() for p in proposers.split(",") if p.strip() and p.strip() != "none")
     options = {}
     if draft is not None:
@@ -160,6 +168,7 @@ def rollout_command(
     batch_size: BatchOpt = 16,
     device: DeviceOpt = "auto",
     compile: CompileOpt = False,
+    chat_template: ChatOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Generate n samples per prompt of a JSONL file with speculative decoding."""
@@ -175,7 +184,9 @@ def rollout_command(
     from specrl.rollout import Request, SamplingParams
 
     records = read_prompts(prompts)
-    engine, _ = build_engine(target, proposers, k, batch_size, device, seed, draft, compile)
+    engine, _ = build_engine(
+        target, proposers, k, batch_size, device, seed, draft, compile, chat_template
+    )
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n
     )
@@ -255,6 +266,7 @@ def serve_command(
     device: DeviceOpt = "auto",
     seed: SeedOpt = 0,
     compile: CompileOpt = False,
+    chat_template: ChatOpt = False,
 ) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API (completions, health, metrics)."""
     if target is None:
@@ -273,7 +285,9 @@ def serve_command(
             raise ConfigError(f"token file '{update_token_file}' is empty")
     elif os.environ.get("SPECRL_UPDATE_TOKEN"):
         token = os.environ["SPECRL_UPDATE_TOKEN"].strip()
-    engine, codec = build_engine(target, proposers, k, batch_size, device, seed, draft, compile)
+    engine, codec = build_engine(
+        target, proposers, k, batch_size, device, seed, draft, compile, chat_template
+    )
     if compile:  # compile before serving: the first clients would otherwise wait for it
         with err.status("compiling the decode step (torch.compile)…"):
             graphs = engine.warmup()

@@ -204,8 +204,8 @@ class RLTrainer:
         if tok is None:
             raise ConfigError(f"'{policy_dir}' has no tokenizer.json; specrl train needs one")
         self.tokenizer = tok
-        self.codec = TextCodec(
-            tok, self.policy.config.bos_token_id, self.policy.config.eos_token_id
+        self.codec = TextCodec.from_checkpoint(
+            policy_dir, self.policy.config, chat=recipe.policy.chat_template
         )
         self.pad_id = self.codec.bos_id if self.codec.bos_id is not None else 0
         self.reference = None
