@@ -93,7 +93,7 @@ class StepLog:
     def __call__(self) -> list:
         ctrl = self.engine.controller  # a plain engine's too (it counts plain steps)
         before = ctrl.spec_steps, ctrl.plain_steps
-        tokens = self.engine._tokens  # the engine's running count (stats() builds much more)
+        tokens = self.engine._total.tokens  # the engine's running count (stats() builds much more)
         t0 = self.clock()
         out = self._step()
         seconds = self.clock() - t0
@@ -110,7 +110,7 @@ class StepLog:
         if decoded:
             self._last_speculative = speculative
         self.times[cls].append(seconds)
-        self.tokens[cls] += self.engine._tokens - tokens
+        self.tokens[cls] += self.engine._total.tokens - tokens
         return out
 
 

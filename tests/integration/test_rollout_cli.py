@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specrl.cli.app import main
-from specrl.cli.rollout import build_engine
+from specrl.cli.rollout import rollout_config
 from specrl.models.checkpoint import load_model, save_model
 from specrl.models.decoder import Transformer
 from specrl.models.draft import DraftConfig, Eagle3Draft, build_vocab_map, init_draft_weights
@@ -22,6 +22,7 @@ from specrl.models.draft_io import save_draft
 from specrl.models.presets import preset_config
 from specrl.models.tokenizer import char_tokenizer, special_ids
 from specrl.rollout import Request, SamplingParams
+from specrl.rollout.factory import build_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
@@ -124,7 +125,7 @@ def test_rollout_writes_samples_and_a_json_summary(
     ]
     assert rows[0]["answer"] == "46" and "answer" not in rows[4]
     assert summary["tokens"] == sum(len(r["tokens"]) for r in rows)
-    engine, _ = build_engine(checkpoint, "none", 4, 4, "cpu", 0)
+    engine = build_engine(rollout_config("none", 4, 4, False, None), checkpoint, device="cpu")
     params = SamplingParams(max_tokens=10, temperature=0)
     direct = engine.generate([Request(r["prompt"], params) for r in RECORDS])
     for row in rows:
@@ -145,12 +146,46 @@ def test_draft_adds_the_eagle3_drafter(checkpoint, draft, tmp_path, monkeypatch,
     assert code == 0
     summary = json.loads(stdout)
     assert {arm.split("/")[0] for arm in summary["selections"]} == {"ngram", "eagle3"}
-    engine, _ = build_engine(checkpoint, "none", 4, 4, "cpu", 0)
+    engine = build_engine(rollout_config("none", 4, 4, False, None), checkpoint, device="cpu")
     direct = engine.generate([Request(r["prompt"], SamplingParams(12, 0.0)) for r in RECORDS])
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert [r["tokens"] for r in rows] == [d.tokens for d in direct]  # lossless under greedy
     code, _, stderr = _cli(monkeypatch, capsys, "rollout", *args, "--draft", str(tmp_path))
     assert code == 1 and _flat(stderr).startswith("Error:")
+
+
+def test_chat_template_flag(checkpoint, tmp_path, monkeypatch, capsys):
+    """--chat-template: prompts go through the checkpoint's template (the same tokens as the
+    codec's chat encoding, greedy); a checkpoint without one is a one-line error."""
+    from specrl.models.tokenizer import TextCodec
+
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps(RECORDS[0])])
+    args = ["--prompts", str(prompts), "--temperature", "0", "--max-tokens", "6"]
+    code, _, err = _cli(
+        monkeypatch, capsys, "rollout", "--target", str(checkpoint), *args, "--out",
+        str(tmp_path / "x.jsonl"), "--chat-template",
+    )  # fmt: skip
+    assert code == 1 and "no chat template" in err and len(err.strip().splitlines()) == 2
+    chat = tmp_path / "chat"
+    shutil.copytree(checkpoint, chat)
+    cfg = json.loads((chat / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{{ bos_token }}{% for m in messages %}Q:{{ m['content'] }}{% endfor %}A:"
+    )
+    (chat / "tokenizer_config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "chat.jsonl"
+    code, _, _ = _cli(
+        monkeypatch, capsys, "rollout", "--target", str(chat), *args, "--out", str(out),
+        "--proposers", "none", "--chat-template",
+    )  # fmt: skip
+    assert code == 0
+    row = json.loads(out.read_text().splitlines()[0])
+    codec = TextCodec.from_checkpoint(chat, chat=True)
+    ids = codec.encode_prompt("12+34=")
+    assert codec.tokenizer.decode(ids, skip_special_tokens=False) == "<bos>Q:12+34=A:"
+    engine = build_engine(rollout_config("none", 4, 4, False, None), chat, device="cpu")
+    ref = engine.generate([Request(ids, SamplingParams(max_tokens=6, temperature=0))])[0]
+    assert row["tokens"] == ref.tokens
 
 
 def test_human_summary_goes_to_stdout(checkpoint, tmp_path, monkeypatch, capsys):

@@ -26,13 +26,14 @@ import torch
 import uvicorn
 from safetensors.torch import save_file
 
-from specrl.cli.rollout import build_engine
+from specrl.cli.rollout import rollout_config
 from specrl.models.checkpoint import save_model
 from specrl.models.decoder import Transformer
 from specrl.models.presets import preset_config
 from specrl.models.tokenizer import HFTokenizer, char_tokenizer, special_ids
 from specrl.rl.tasks import AdditionTask
 from specrl.rollout import Request, SamplingParams
+from specrl.rollout.factory import build_engine
 from specrl.rollout.server import EngineWorker, ServerLimits, create_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
@@ -63,7 +64,8 @@ class _Server:
     """uvicorn in a background thread on a free loopback port."""
 
     def __init__(self, checkpoint: Path, token: str | None, limits: ServerLimits) -> None:
-        engine, codec = build_engine(checkpoint, "ngram", 4, 16, "cpu", 0)
+        engine = build_engine(rollout_config("ngram", 4, 16, False, None), checkpoint, device="cpu")
+        codec = engine.codec
         app = create_app(EngineWorker(engine), codec, limits=limits, update_token=token)
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
         self.server = uvicorn.Server(config)
@@ -112,7 +114,8 @@ def test_64_concurrent_clients_get_the_direct_engine_output(url, checkpoint, pro
             return await asyncio.gather(*(call(client, i) for i in range(64)))
 
     replies = asyncio.run(main())
-    direct, codec = build_engine(checkpoint, "none", 4, 8, "cpu", 0)
+    direct = build_engine(rollout_config("none", 4, 8, False, None), checkpoint, device="cpu")
+    codec = direct.codec
     params = SamplingParams(max_tokens=12, temperature=0)
     expected = direct.generate([Request(p, params) for p in prompts])
     for i, reply in enumerate(replies):

@@ -564,3 +564,23 @@ def test_stop_strings_found_from_the_tail_as_from_the_whole_text():
                 found += 1
                 break
     assert found >= 40  # most outputs do hit a stop string: the check is exercised
+
+
+def test_generate_returns_the_calls_own_speculation_statistics():
+    """``Results.stats`` counts one call: its spec counters are the sum of its samples', its
+    tokens their lengths, and the engine's lifetime counters are the sum over calls."""
+    spec = SpecConfig(proposers=("ngram", "test-garbage"), max_k=3, gate=False)
+    engine = make_engine(tiny(), max_batch_size=3, spec=spec)
+    calls = [run(engine, PROMPTS[:3], greedy(12)), run(engine, PROMPTS[3:], greedy(16, n=2))]
+    for out in calls:
+        stats = out.stats
+        assert stats["tokens"] == sum(len(r.tokens) for r in out)
+        for key in ("drafts", "accepted", "draft_tokens", "verifications"):
+            assert stats["spec"][key] == sum(r.spec[key] for r in out)
+        assert sum(stats["selections"].values()) >= stats["spec"]["drafts"] > 0
+        by_proposer = sum(p["drafts"] for p in stats["proposers"].values())
+        assert by_proposer == stats["spec"]["drafts"]
+    total = engine.stats()
+    for key in ("tokens", "target_forwards", "steps"):
+        assert total[key] == sum(out.stats[key] for out in calls)
+    assert total["spec"]["accepted"] == sum(out.stats["spec"]["accepted"] for out in calls)

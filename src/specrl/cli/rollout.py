@@ -69,40 +69,23 @@ CompileOpt = Annotated[
 ]
 
 
-def build_engine(
-    target: Path,
-    proposers: str,
-    k: int,
-    batch_size: int,
-    device: str,
-    seed: int,
-    draft: Path | None = None,
-    compile: bool = False,
-    chat_template: bool = False,
-):
-    """Load the checkpoint (and a draft) and build a :class:`RolloutEngine` plus its codec."""
-    from specrl.core.runtime import pick_device
-    from specrl.errors import CheckpointError
-    from specrl.models.checkpoint import load_model, load_tokenizer
-    from specrl.models.tokenizer import TextCodec
-    from specrl.rollout import RolloutEngine, SpecConfig
+def rollout_config(proposers: str, k: int, batch_size: int, compile: bool, draft: Path | None):
+    """The recipe rollout section these flags describe (``--draft`` adds the eagle3 drafter)."""
+    from specrl.config.schema import RolloutConfig, SpeculationConfig
 
-    model = load_model(target, device=pick_device(device))
-    if load_tokenizer(target) is None:
-        raise CheckpointError(
-            f"'{target}' has no tokenizer.json", hint="rollouts encode text prompts with it"
-        )
-    codec = TextCodec.from_checkpoint(target, model.config, chat=chat_template)
-    names = tuple(p.strip() for p in proposers.split(",") if p.strip() and p.strip() != "none")
-    options = {}
-    if draft is not None:
-        names = names if "eagle3" in names else (*names, "eagle3")
-        options["eagle3"] = {"path": str(draft)}
-    spec = SpecConfig(proposers=names, max_k=k, proposer_options=options) if names else None
-    engine = RolloutEngine(
-        model, codec=codec, max_batch_size=batch_size, spec=spec, seed=seed, compile=compile
-    )
-    return engine, codec
+    names = [p.strip() for p in proposers.split(",") if p.strip() and p.strip() != "none"]
+    if draft is not None and "eagle3" not in names:
+        names.append("eagle3")
+    speculation = SpeculationConfig(proposers=names, max_k=k) if names else None
+    return RolloutConfig(max_batch_size=batch_size, compile=compile, speculation=speculation)
+
+
+def chat_codec(target: Path):
+    """The checkpoint's codec with prompts through its chat template."""
+    from specrl.models.checkpoint import load_config
+    from specrl.models.tokenizer import TextCodec
+
+    return TextCodec.from_checkpoint(target, load_config(target), chat=True)
 
 
 def read_prompts(path: Path) -> list[tuple[int, dict[str, Any]]]:
@@ -182,11 +165,12 @@ def rollout_command(
         raise typer.BadParameter("must be in (0, 1]", param_hint="'--top-p'")
     from specrl.errors import DataError
     from specrl.rollout import Request, SamplingParams
+    from specrl.rollout.factory import build_engine
 
     records = read_prompts(prompts)
-    engine, _ = build_engine(
-        target, proposers, k, batch_size, device, seed, draft, compile, chat_template
-    )
+    config = rollout_config(proposers, k, batch_size, compile, draft)
+    codec = chat_codec(target) if chat_template else None
+    engine = build_engine(config, target, draft, codec=codec, device=device, seed=seed)
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n
     )
@@ -274,6 +258,8 @@ def serve_command(
     import uvicorn
 
     from specrl.errors import ConfigError
+    from specrl.rollout.engine import RolloutEngine
+    from specrl.rollout.factory import build_engine
     from specrl.rollout.server import EngineWorker, ServerLimits, create_app
 
     token = None
@@ -285,9 +271,11 @@ def serve_command(
             raise ConfigError(f"token file '{update_token_file}' is empty")
     elif os.environ.get("SPECRL_UPDATE_TOKEN"):
         token = os.environ["SPECRL_UPDATE_TOKEN"].strip()
-    engine, codec = build_engine(
-        target, proposers, k, batch_size, device, seed, draft, compile, chat_template
-    )
+    config = rollout_config(proposers, k, batch_size, compile, draft)
+    codec = chat_codec(target) if chat_template else None
+    engine = build_engine(config, target, draft, codec=codec, device=device, seed=seed)
+    if not isinstance(engine, RolloutEngine):  # the server steps it (one batch, many clients)
+        raise ConfigError("rollout serve serves the embedded engine only")
     if compile:  # compile before serving: the first clients would otherwise wait for it
         with err.status("compiling the decode step (torch.compile)…"):
             graphs = engine.warmup()
@@ -299,7 +287,9 @@ def serve_command(
         max_n=max_n,
     )
     worker = EngineWorker(engine)
-    api = create_app(worker, codec, model_name=target.name, limits=limits, update_token=token)
+    api = create_app(
+        worker, engine.codec, model_name=target.name, limits=limits, update_token=token
+    )
     updates = "enabled" if token else "disabled"
     err.print(f"serving {target} on http://{host}:{port} (weight updates {updates})")
     uvicorn.Server(uvicorn.Config(api, host=host, port=port, log_level="info")).run()

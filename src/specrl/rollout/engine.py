@@ -63,68 +63,18 @@ from specrl.models.decoder import CacheBatch, Transformer
 from specrl.models.tokenizer import TextCodec
 from specrl.rollout.compiled import Compiled, CompiledDecode
 from specrl.rollout.gating import COST_WINDOW, Arm, SpecController
-from specrl.rollout.metrics import AcceptanceAlarm, SpecStats
-from specrl.rollout.proposers import (
-    Draft,
-    Proposer,
-    ProposerContext,
-    SeqState,
-    SupportsWeights,
-    build_proposer,
-)
+from specrl.rollout.metrics import AcceptanceAlarm, Counters
+from specrl.rollout.proposers import Proposer, ProposerContext, SupportsWeights, build_proposer
 from specrl.rollout.sampling import (
     RowParams,
     SamplingParams,
     sampling_probs,
     sequence_generator,
 )
+from specrl.rollout.types import Draft, Request, Result, Results, SeqState
 from specrl.rollout.verify import decide, decide_greedy, decide_plain
 
-
-@dataclass
-class Request:
-    """A prompt (text, needs the engine's codec; or token ids) and how to sample it."""
-
-    prompt: str | Sequence[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    request_id: str | None = None  # default: "req-<counter>"
-
-
-@dataclass
-class Result:
-    """One finished sample.
-
-    ``logprobs[i]`` is log p(tokens[i]) under the distribution it was drawn from (after
-    temperature/top-k/top-p; greedy → 0.0); ``policy_logprobs[i]`` is the raw policy's
-    log-softmax at temperature 1, the one RL importance ratios need.  ``tokens`` include a final
-    stop token; ``text`` excludes stop tokens and is cut before a matched stop string.
-    """
-
-    request_id: str
-    index: int  # sample index within the request (a GRPO group shares request_id)
-    prompt_tokens: list[int]
-    tokens: list[int]
-    text: str
-    logprobs: list[float]
-    policy_logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
-    stop_reason: int | str | None  # the stop token id or stop string, if any
-    spec: dict[str, Any]  # per-request speculation statistics (SpecStats.to_dict() + forwards)
-    policy_versions: tuple[int, int]  # policy versions of its first and last step
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.request_id,
-            "index": self.index,
-            "text": self.text,
-            "tokens": self.tokens,
-            "logprobs": self.logprobs,
-            "policy_logprobs": self.policy_logprobs,
-            "finish_reason": self.finish_reason,
-            "stop_reason": self.stop_reason,
-            "policy_versions": list(self.policy_versions),
-            "spec": self.spec,
-        }
+__all__ = ["Request", "Result", "Results", "RolloutEngine", "SpecConfig"]
 
 
 @dataclass
@@ -307,15 +257,9 @@ class RolloutEngine:
         self._next_seq = 0
         self._next_request = 0
         self._open: dict[str, int] = {}  # request id → samples not finished yet
-        # counters behind stats()
-        self._steps = 0
-        self._prefill_forwards = 0
-        self._decode_forwards = 0
-        self._tokens = 0
-        self._seconds = 0.0
-        self._finished = 0
-        self._spec = SpecStats()
-        self._by_proposer = {name: SpecStats() for name in self.proposers}
+        # counters behind stats(), and those of the generate() call under way
+        self._total = Counters.for_proposers(list(self.proposers))
+        self._call: Counters | None = None
         # the last launch's sampling tensors (_row_params_of): parameter objects, rows, tensors
         self._row_params: tuple[list[SamplingParams], list[int], RowParams] | None = None
         # eager plain decode steps: per batch size, the layout and verifier tables that do
@@ -349,8 +293,9 @@ class RolloutEngine:
         requests: Sequence[Request],
         *,
         progress: Callable[[int, int], None] | None = None,
-    ) -> list[Result]:
-        """Decode every request to completion; results request-major, then by sample index.
+    ) -> Results:
+        """Decode every request to completion; results request-major, then by sample index,
+        with this call's own statistics (``Results.stats``).
 
         The engine must be idle (no requests queued through :meth:`add_requests`).
         ``progress(done, total)`` is called once the requests are validated and queued, then
@@ -365,14 +310,18 @@ class RolloutEngine:
             progress(0, len(seqs))
         results: list[Result | None] = [None] * len(seqs)
         done = 0
-        while self.has_unfinished():
-            finished = self.step()
-            for r in finished:
-                results[order[r.request_id, r.index]] = r
-            done += len(finished)
-            if finished and progress is not None:
-                progress(done, len(seqs))
-        return [r for r in results if r is not None]
+        self._call = call = Counters.for_proposers(list(self.proposers))
+        try:
+            while self.has_unfinished():
+                finished = self.step()
+                for r in finished:
+                    results[order[r.request_id, r.index]] = r
+                done += len(finished)
+                if finished and progress is not None:
+                    progress(done, len(seqs))
+        finally:
+            self._call = None
+        return Results([r for r in results if r is not None], call.to_dict())
 
     def _make_all(self, requests: Sequence[Request]) -> list[list[SeqState]]:
         seqs = []
@@ -446,8 +395,9 @@ class RolloutEngine:
         if finished:
             self._compact()
         seconds = self.clock() - t0
-        self._steps += 1
-        self._seconds += seconds
+        for c in self._counting():
+            c.steps += 1
+            c.seconds += seconds
         if decode is not None:
             # a step that compiled a graph took seconds of compilation: no timing sample
             timed = graphs == self.compiled_graphs
@@ -522,6 +472,8 @@ class RolloutEngine:
         caps = [0] * len(seqs)
         draft_calls = []
         if arms is not None:
+            for c in self._counting():
+                c.selections.update(str(arm) for arm in arms)
             asked: dict[str, list[int]] = {}
             for b, (seq, arm) in enumerate(zip(seqs, arms, strict=True)):
                 # never draft past max_tokens: k + 1 tokens can be emitted
@@ -781,9 +733,11 @@ class RolloutEngine:
             )
         if launch.prefill:
             self._share_prefix_kv(launch)
-            self._prefill_forwards += 1
+            for c in self._counting():
+                c.prefill_forwards += 1
         else:
-            self._decode_forwards += 1
+            for c in self._counting():
+                c.decode_forwards += 1
         logits = out.logits  # [R, V]
         rows, q = t["row_index"], t.get("draft_probs")
         args = (t["draft_tokens"], q, t["uniforms"], rows, t["num_drafts"])
@@ -854,6 +808,7 @@ class RolloutEngine:
     # ---------------------------------------------------------------------- bookkeeping
     def _apply(self, launch: _Launch, host: dict[str, list]) -> list[Result]:
         accepted_all, committed = [], []
+        counting = self._counting()
         for b, seq in enumerate(launch.seqs):
             n_acc = host["num_accepted"][b]
             k = launch.num_rows[b] - 1
@@ -864,10 +819,12 @@ class RolloutEngine:
                 arm = launch.arms[b]
                 name = arm.proposer if arm is not None and k > 0 else None
                 seq.stats.record(k, n_acc, name)
-                self._spec.record(k, n_acc, name)
-                if name is not None:
-                    self._by_proposer[name].record(k, n_acc, name)
-                    self.alarm.observe(name, 1, n_acc)
+                alarm = name is not None and self.alarm.observe(name, 1, n_acc)
+                for c in counting:
+                    c.spec.record(k, n_acc, name)
+                    if name is not None:
+                        c.proposers[name].record(k, n_acc, name)
+                    c.alarms += alarm
             appended = 0
             for j in range(n_acc + 1):
                 tok = host["tokens"][b][j]
@@ -877,7 +834,8 @@ class RolloutEngine:
                 appended += 1
                 if self._stopped(seq, tok):
                     break
-            self._tokens += appended
+            for c in counting:
+                c.tokens += appended
             # positions whose K/V are kept: the prompt, or the fed tokens that stay in the
             # sequence (a stop inside the accepted drafts drops the fed tokens after it)
             committed.append(seq.prompt_len if launch.prefill else appended)
@@ -926,7 +884,8 @@ class RolloutEngine:
         self._free_slots.append(seq.slot)
         for p in self.proposers.values():
             p.release(seq)
-        self._finished += 1
+        for c in self._counting():
+            c.finished += 1
         self._open[seq.request_id] -= 1
         if not self._open[seq.request_id]:
             del self._open[seq.request_id]
@@ -1062,26 +1021,20 @@ class RolloutEngine:
             for name in sorted(expected):
                 own[name].copy_(state[name])
 
+    def _counting(self) -> tuple[Counters, ...]:
+        """The counters a step adds to: the engine's, and the ``generate`` call's if one runs."""
+        return (self._total,) if self._call is None else (self._total, self._call)
+
     def stats(self) -> dict[str, Any]:
-        """Aggregated counters since construction (see :mod:`specrl.rollout.metrics`)."""
-        forwards = self._prefill_forwards + self._decode_forwards
+        """Counters since construction (:class:`~specrl.rollout.metrics.Counters`; a
+        ``generate`` call's own are its ``Results.stats``) and the engine's state."""
         return {
             "policy_version": self.policy_version,
             "draft_version": self.draft_version,
-            "steps": self._steps,
-            "target_forwards": forwards,
-            "prefill_forwards": self._prefill_forwards,
-            "decode_forwards": self._decode_forwards,
-            "tokens": self._tokens,
-            "seconds": self._seconds,
-            "tokens_per_s": self._tokens / self._seconds if self._seconds > 0 else None,
-            "forwards_per_token": forwards / self._tokens if self._tokens else None,
+            **self._total.to_dict(),
             "compiled_graphs": self.compiled_graphs,
-            "finished": self._finished,
             "running": len(self._running),
             "waiting": len(self._waiting),
-            "spec": self._spec.to_dict(),
-            "proposers": {name: s.to_dict() for name, s in self._by_proposer.items()},
             # a proposer's own state (EAGLE-3: its draft temperature scale), where it has any
             "drafters": {
                 name: p.stats()
@@ -1089,7 +1042,6 @@ class RolloutEngine:
                 if callable(getattr(p, "stats", None))
             },
             "gating": self.controller.to_dict(),
-            "alarms": self.alarm.alarms,
             "alarm_tau": dict(self.alarm.last),
             "alarm_armed": self.alarm.armed,
         }
@@ -1103,14 +1055,7 @@ class RolloutEngine:
         "draft_version",
         "_next_seq",
         "_next_request",
-        "_steps",
-        "_prefill_forwards",
-        "_decode_forwards",
-        "_tokens",
-        "_seconds",
-        "_finished",
-        "_spec",
-        "_by_proposer",
+        "_total",
     )
 
     def state_dict(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +109,45 @@ class SpecStats:
 
 
 @dataclass
+class Counters:
+    """What an engine counts: since construction (``stats()``) or over one ``generate`` call
+    (``Results.stats``) — the same keys, so a caller never diffs one against the other."""
+
+    proposers: dict[str, SpecStats]  # per proposer: its verifications
+    steps: int = 0
+    prefill_forwards: int = 0
+    decode_forwards: int = 0
+    tokens: int = 0  # tokens emitted
+    seconds: float = 0.0  # wall time of the steps
+    finished: int = 0  # samples finished
+    alarms: int = 0  # stale-draft alarms raised
+    spec: SpecStats = field(default_factory=SpecStats)  # every decode verification
+    selections: Counter[str] = field(default_factory=Counter)  # arm → sequences it drafted for
+
+    @classmethod
+    def for_proposers(cls, names: Sequence[str]) -> Counters:
+        return cls({name: SpecStats() for name in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        forwards = self.prefill_forwards + self.decode_forwards
+        return {
+            "steps": self.steps,
+            "target_forwards": forwards,
+            "prefill_forwards": self.prefill_forwards,
+            "decode_forwards": self.decode_forwards,
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "tokens_per_s": self.tokens / self.seconds if self.seconds > 0 else None,
+            "forwards_per_token": forwards / self.tokens if self.tokens else None,
+            "finished": self.finished,
+            "alarms": self.alarms,
+            "spec": self.spec.to_dict(),
+            "proposers": {name: s.to_dict() for name, s in self.proposers.items()},
+            "selections": {arm: n for arm, n in self.selections.items() if n},
+        }
+
+
+@dataclass
 class _Window:
     drafts: int = 0
     accepted: int = 0
@@ -117,14 +157,14 @@ class AcceptanceAlarm:
     """Flags a draft whose τ stays ≈ 1 after a weight update (stale or broken draft weights).
 
     ``arm()`` after every update; from then on each proposer's drafts are counted in windows of
-    ``window`` drafts.  A window with τ ≤ ``tau_threshold`` raises an alarm (counter + one
-    warning line) and the next window is watched; the first healthy window disarms that proposer.
+    ``window`` drafts.  A window with τ ≤ ``tau_threshold`` raises an alarm (one warning line;
+    :meth:`observe` returns True, the engine counts it) and the next window is watched; the
+    first healthy window disarms that proposer.
     """
 
     def __init__(self, window: int = 32, tau_threshold: float = 1.05) -> None:
         self.window = window
         self.tau_threshold = tau_threshold
-        self.alarms = 0
         self.last: dict[str, float] = {}  # proposer → τ of its last complete window
         self._armed: dict[str, _Window] = {}
         self._version: int | None = None
@@ -137,26 +177,28 @@ class AcceptanceAlarm:
     def armed(self) -> list[str]:
         return sorted(self._armed)
 
-    def observe(self, proposer: str, drafts: int, accepted: int) -> None:
+    def observe(self, proposer: str, drafts: int, accepted: int) -> bool:
+        """Count ``drafts`` of ``proposer`` with ``accepted`` tokens; True if they completed a
+        window that raised the alarm."""
         w = self._armed.get(proposer)
         if w is None or drafts == 0:
-            return
+            return False
         w.drafts += drafts
         w.accepted += accepted
         if w.drafts < self.window:
-            return
+            return False
         tau = 1.0 + w.accepted / w.drafts
         self.last[proposer] = tau
-        if tau <= self.tau_threshold:
-            self.alarms += 1
-            log.warning(
-                "speculation alarm: proposer %r has tau %.3f over the last %d drafts after weight "
-                "update to version %s; its draft weights look stale or broken",
-                proposer,
-                tau,
-                w.drafts,
-                self._version,
-            )
-            self._armed[proposer] = _Window()
-        else:
+        if tau > self.tau_threshold:
             del self._armed[proposer]
+            return False
+        log.warning(
+            "speculation alarm: proposer %r has tau %.3f over the last %d drafts after weight "
+            "update to version %s; its draft weights look stale or broken",
+            proposer,
+            tau,
+            w.drafts,
+            self._version,
+        )
+        self._armed[proposer] = _Window()
+        return True

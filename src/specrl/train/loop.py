@@ -44,7 +44,6 @@ non-timing metric of an uninterrupted run.
 
 from __future__ import annotations
 
-import copy
 import random
 import signal
 import time
@@ -67,7 +66,9 @@ from specrl.models.presets import check_shape
 from specrl.models.tokenizer import TextCodec
 from specrl.rl.advantages import group_advantages, informative_groups
 from specrl.rl.tasks import Problem, task_from_config
-from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
+from specrl.rollout import Request, SamplingParams
+from specrl.rollout.factory import build_engine
+from specrl.rollout.types import Engine, Results
 from specrl.train import checkpoint as ckpt
 from specrl.train.artifacts import check_artifacts, ensure_artifacts, policy_ready
 from specrl.train.batch import PackedBatch, Sample, microbatch_budget, microbatches, pack
@@ -316,37 +317,17 @@ class RLTrainer:
             4 * longest_prompt + self.recipe.rollout.max_tokens + 16,
         )
 
-    def _build_engine(self) -> RolloutEngine:
-        r = self.recipe.rollout
-        spec = None
-        if r.speculation is not None:
-            names = tuple(r.speculation.proposers)
-            options = {}
-            if "eagle3" in names:
-                assert self.draft is not None
-                options["eagle3"] = {
-                    "draft": copy.deepcopy(self.draft),
-                    "max_k": r.speculation.max_k,
-                }
-            spec = SpecConfig(
-                proposers=names,
-                max_k=r.speculation.max_k,
-                gate=r.speculation.gate,
-                epsilon=r.speculation.epsilon,
-                proposer_options=options,
-            )
-        kwargs: dict[str, Any] = {}
-        if self.clock is not None:
-            kwargs["clock"] = self.clock
-        return RolloutEngine(
-            copy.deepcopy(self.policy).eval(),
+    def _build_engine(self) -> Engine:
+        """The replica's rollout engine: the recipe's rollout section over copies of the plain
+        policy and draft (one factory for every command)."""
+        return build_engine(
+            self.recipe.rollout,
+            self.policy,
+            self.draft,
             codec=self.codec,
-            max_batch_size=r.max_batch_size,
-            max_model_len=self.max_seq_len,
-            spec=spec,
             seed=self.recipe.run.seed + 7919 * self.layout.dp_rank,
-            compile=r.compile,
-            **kwargs,
+            max_model_len=self.max_seq_len,
+            clock=self.clock,
         )
 
     def sync_engine(self, version: int) -> None:
@@ -378,7 +359,7 @@ class RLTrainer:
         start = self.layout.dp_rank * per_replica
         return list(enumerate(problems))[start : start + per_replica]
 
-    def _rollout(self, step: int, prompts: list[tuple[int, Problem]]):
+    def _rollout(self, step: int, prompts: list[tuple[int, Problem]]) -> Results:
         assert self.engine is not None
         r = self.recipe.rollout
         seed = self.recipe.run.seed
@@ -395,10 +376,7 @@ class RLTrainer:
             )
             for i, p in prompts
         ]
-        before = self.engine.stats()
-        results = self.engine.generate(requests)
-        after = self.engine.stats()
-        return results, before, after
+        return self.engine.generate(requests)
 
     def _samples(self, prompts, results) -> tuple[list[Sample], dict[str, Any]]:
         n = self.recipe.rollout.n
@@ -633,29 +611,21 @@ class RLTrainer:
             self.draft.refresh_embedding(table.to(self.draft.embed_tokens.weight.dtype))
 
     @staticmethod
-    def _spec_delta(before: dict, after: dict) -> dict[str, Any]:
-        b, a = before["spec"], after["spec"]
-        drafts = a["drafts"] - b["drafts"]
-        accepted = a["accepted"] - b["accepted"]
-        draft_tokens = a["draft_tokens"] - b["draft_tokens"]
-        sel_b, sel_a = before["gating"].get("selections", {}), after["gating"].get("selections", {})
-        by_proposer = {}
-        for name, st in after["proposers"].items():
-            st0 = before["proposers"].get(name, {"drafts": 0, "accepted": 0})
-            if st["drafts"] > st0["drafts"]:
-                by_proposer[name] = 1 + (st["accepted"] - st0["accepted"]) / (
-                    st["drafts"] - st0["drafts"]
-                )
+    def _spec_counters(stats: dict[str, Any]) -> dict[str, Any]:
+        """The step's speculation counters from its ``generate`` call's own statistics."""
+        spec = stats["spec"]
         return {
-            "tau_by_proposer": by_proposer,
-            "drafts": drafts,
-            "accepted": accepted,
-            "draft_tokens": draft_tokens,
-            "verifications": a["verifications"] - b["verifications"],
-            "target_forwards": after["target_forwards"] - before["target_forwards"],
-            "rollout_tokens": after["tokens"] - before["tokens"],
-            "selections": {k: v - sel_b.get(k, 0) for k, v in sel_a.items() if v - sel_b.get(k, 0)},
-            "alarms": after["alarms"] - before["alarms"],
+            "tau_by_proposer": {
+                name: st["tau"] for name, st in stats["proposers"].items() if st["drafts"]
+            },
+            "drafts": spec["drafts"],
+            "accepted": spec["accepted"],
+            "draft_tokens": spec["draft_tokens"],
+            "verifications": spec["verifications"],
+            "target_forwards": stats["target_forwards"],
+            "rollout_tokens": stats["tokens"],
+            "selections": stats["selections"],
+            "alarms": stats["alarms"],
         }
 
     def _gather_step(self, local: dict[str, Any]) -> dict[str, Any]:
@@ -673,10 +643,10 @@ class RLTrainer:
         per_pos: list[float] = []
         samples = None
         if self.engine is not None:
-            results, before, after = self._rollout(step, prompts)
+            results = self._rollout(step, prompts)
             samples, local = self._samples(prompts, results)
-            spec = self._spec_delta(before, after)
-            per_pos = self._per_position(before, after)
+            spec = self._spec_counters(results.stats)
+            per_pos = results.stats["spec"]["per_position"]
             local = {**local, **spec, "samples": len(samples)}
         t_rollout = time.perf_counter() - t0
         samples = self.layout.share(samples)
@@ -707,18 +677,6 @@ class RLTrainer:
             "time_step": time.perf_counter() - t_start,
         }
         return rec
-
-    @staticmethod
-    def _per_position(before: dict, after: dict) -> list[float]:
-        """Acceptance rate at draft positions 1..K over this step's drafts only."""
-        db, ab = before["spec"]["position_drafts"], before["spec"]["position_accepted"]
-        da, aa = after["spec"]["position_drafts"], after["spec"]["position_accepted"]
-        out = []
-        for i in range(len(da)):
-            d = da[i] - (db[i] if i < len(db) else 0)
-            if d:
-                out.append((aa[i] - (ab[i] if i < len(ab) else 0)) / d)
-        return out
 
     # ------------------------------------------------------------------ checkpoints
     def _rank_state(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

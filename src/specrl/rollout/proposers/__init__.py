@@ -45,59 +45,25 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from specrl.errors import ConfigError
 from specrl.models.decoder import Transformer
-from specrl.rollout.metrics import SpecStats
-from specrl.rollout.sampling import SamplingParams
+from specrl.rollout.types import Draft, SeqState
 
-
-@dataclass(eq=False)
-class SeqState:
-    """One sequence (one sample of one request) inside the engine; proposers read it."""
-
-    seq_id: int
-    request_id: str
-    index: int  # sample index within its request (0..n-1): a GRPO group shares request_id
-    tokens: list[int]  # prompt + output so far
-    prompt_len: int
-    params: SamplingParams
-    generator: torch.Generator | None  # None for greedy requests (no randomness consumed)
-    slot: int = -1  # KV-cache slot while running
-    kv_len: int = 0  # target KV entries committed in the slot (len(tokens) − 1 once prefilled)
-    logprobs: list[float] = field(default_factory=list)  # log p under the sampling distribution
-    policy_logprobs: list[float] = field(default_factory=list)  # raw policy, temperature 1
-    finish_reason: str | None = None  # "stop" | "length" once finished
-    stop_reason: int | str | None = None  # stop token id or stop string that ended it
-    text: str | None = None  # decoded output (set when finished, or for stop strings)
-    stats: SpecStats = field(default_factory=SpecStats)
-    forwards: int = 0  # target forwards this sequence took part in (prefill included)
-    policy_versions: tuple[int, int] = (0, 0)  # (first, last) policy version that decoded it
-
-    @property
-    def output(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
-
-    @property
-    def num_output(self) -> int:
-        """``len(output)`` without copying it (per token on the engine's hot path)."""
-        return len(self.tokens) - self.prompt_len
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.tokens[: self.prompt_len]
-
-
-@dataclass
-class Draft:
-    """Draft tokens for one sequence (possibly empty) and the q they were drawn from."""
-
-    tokens: list[int]
-    probs: torch.Tensor | None = None  # [len(tokens), V] over the target vocabulary; None: one-hot
+__all__ = [
+    "Draft",
+    "Proposer",
+    "ProposerContext",
+    "SeqState",
+    "SupportsWeights",
+    "available_proposers",
+    "build_proposer",
+    "register_proposer",
+]
 
 
 class Proposer(Protocol):
