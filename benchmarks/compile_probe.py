@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.rollout import prompt_set
-from specrl.models.checkpoint import load_model, load_tokenizer
+from specrl.models.checkpoint import load_model
 from specrl.models.tokenizer import TextCodec
 from specrl.rollout import Request, RolloutEngine, SamplingParams
 
@@ -90,7 +90,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model = load_model(args.target).eval()
     cfg = model.config
-    codec = TextCodec(load_tokenizer(args.target), cfg.bos_token_id, cfg.eos_token_id)
+    codec = TextCodec.from_checkpoint(args.target, cfg)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         eager = measure(model, codec, batch, False, args.max_tokens, args.warmup)

@@ -37,7 +37,7 @@ import torch
 import specrl.rollout.compiled as compiled_module
 from specrl.config.loader import atomic_write_text
 from specrl.core.attention import PackedLayout
-from specrl.models.checkpoint import load_model, load_tokenizer
+from specrl.models.checkpoint import load_model
 from specrl.models.decoder import CacheBatch
 from specrl.models.tokenizer import TextCodec
 from specrl.rl.tasks import AdditionTask
@@ -104,8 +104,7 @@ def per_engine(
     target: Path, draft: Path, batches: list[int], repeats: int, temperature: float
 ) -> list[dict]:
     model = load_model(target)
-    codec = TextCodec(load_tokenizer(target), model.config.bos_token_id,
-                      model.config.eos_token_id)  # fmt: skip
+    codec = TextCodec.from_checkpoint(target, model.config)
     eagle = {"eagle3": {"path": str(draft)}}
     specs = {
         "plain": None,

@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.rollout import MAX_K, paired_ratio, prompt_set
 from specrl.config.loader import atomic_write_text
-from specrl.models.checkpoint import load_model, load_tokenizer
+from specrl.models.checkpoint import load_model
 from specrl.models.decoder import Transformer
 from specrl.models.tokenizer import TextCodec
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
@@ -155,9 +155,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(1)
     model = load_model(args.target).eval()
-    codec = TextCodec(
-        load_tokenizer(args.target), model.config.bos_token_id, model.config.eos_token_id
-    )
+    codec = TextCodec.from_checkpoint(args.target, model.config)
     rows = []
     for mode in modes:
         for batch in batches:

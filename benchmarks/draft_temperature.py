@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from specrl.config.loader import atomic_write_text
-from specrl.models.checkpoint import load_model, load_tokenizer
+from specrl.models.checkpoint import load_model
 from specrl.models.tokenizer import TextCodec
 from specrl.rl.tasks import AdditionTask
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
@@ -40,7 +40,7 @@ def run_pair(
     target: Path, draft: Path, prompts: int, batch: int, max_k: int, temperature: float
 ) -> list[dict]:
     model = load_model(target).eval()
-    codec = TextCodec(load_tokenizer(target), model.config.bos_token_id, model.config.eos_token_id)
+    codec = TextCodec.from_checkpoint(target, model.config)
     problems = AdditionTask().sample(random.Random(0), prompts)
     encoded = [codec.encode_prompt(p.prompt) for p in problems]
     rows = []

@@ -35,7 +35,7 @@ from rich.table import Table
 from benchmarks.rollout import HFRunner, prompt_set
 from specrl.core.attention import CacheView, PackedLayout
 from specrl.core.attention.kernels import cached_attention
-from specrl.models.checkpoint import load_model, load_tokenizer
+from specrl.models.checkpoint import load_model
 from specrl.models.decoder import KVCache
 from specrl.models.tokenizer import TextCodec
 from specrl.rollout import Request, RolloutEngine, SamplingParams
@@ -75,7 +75,7 @@ def paired(rates: dict[str, list[float]], a: str, b: str) -> float:
 
 def engine_rows(target: Path, batches: list[int], repeats: int, max_tokens: int) -> list[dict]:
     model = load_model(target).eval()
-    codec = TextCodec(load_tokenizer(target), model.config.bos_token_id, model.config.eos_token_id)
+    codec = TextCodec.from_checkpoint(target, model.config)
     hf = HFRunner(target, codec.eos_id, model.config.pad_token_id or 0)
     rows = []
     for batch in batches:

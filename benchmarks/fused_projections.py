@@ -42,7 +42,7 @@ from benchmarks.engine_paths import markdown, render
 from benchmarks.rollout import prompt_set
 from specrl.core.attention import PackedLayout
 from specrl.models import fused
-from specrl.models.checkpoint import load_model, load_tokenizer
+from specrl.models.checkpoint import load_model
 from specrl.models.decoder import CacheBatch, Transformer
 from specrl.models.draft_io import load_draft
 from specrl.models.tokenizer import TextCodec
@@ -135,7 +135,7 @@ def engine_rows(target: Path, batches: list[int], repeats: int) -> list[dict]:
     """The eager plain engine's tok/s under each layout, alternating run by run."""
     model = load_model(target).eval()
     cfg = model.config
-    codec = TextCodec(load_tokenizer(target), cfg.bos_token_id, cfg.eos_token_id)
+    codec = TextCodec.from_checkpoint(target, cfg)
     rows = []
     saved = fused.CPU_LAYOUT
     try:

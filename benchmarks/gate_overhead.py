@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from specrl.config.loader import atomic_write_text
-from specrl.models.checkpoint import load_model, load_tokenizer
+from specrl.models.checkpoint import load_model
 from specrl.models.tokenizer import TextCodec
 from specrl.rl.tasks import AdditionTask
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
@@ -133,8 +133,7 @@ def main() -> None:
     torch.set_num_threads(1)
     clock = time.thread_time
     model = load_model(args.target)
-    codec = TextCodec(load_tokenizer(args.target), model.config.bos_token_id,
-                      model.config.eos_token_id)  # fmt: skip
+    codec = TextCodec.from_checkpoint(args.target, model.config)
     engines = {}
     logs = {}
     for name, spec in configs(args.draft).items():

@@ -39,7 +39,7 @@ import torch
 from benchmarks.draft_lengths import decode
 from benchmarks.rollout import MAX_K, paired_ratio, prompt_set
 from specrl.config.loader import atomic_write_text
-from specrl.models.checkpoint import load_model, load_tokenizer
+from specrl.models.checkpoint import load_model
 from specrl.models.decoder import Transformer
 from specrl.models.tokenizer import TextCodec
 from specrl.rollout import RolloutEngine, SpecConfig
@@ -167,9 +167,7 @@ def main() -> None:
         ap.error(f"--settle must be ≥ 0 steps, got {args.settle}")
     torch.set_num_threads(1)
     model = load_model(args.target).eval()
-    codec = TextCodec(
-        load_tokenizer(args.target), model.config.bos_token_id, model.config.eos_token_id
-    )
+    codec = TextCodec.from_checkpoint(args.target, model.config)
     greedy = args.mode == "greedy"
     trials = []
     for t in range(args.trials):

@@ -64,7 +64,7 @@ from pathlib import Path
 import torch
 
 from specrl.config.loader import atomic_write_text
-from specrl.models.checkpoint import load_model, load_tokenizer
+from specrl.models.checkpoint import load_model
 from specrl.models.decoder import Transformer
 from specrl.models.tokenizer import TextCodec
 from specrl.rl.tasks import AdditionTask
@@ -270,7 +270,7 @@ def run_mode(
     lookup: int, clock: Callable[[], float], compiled: bool, max_k: int = MAX_K,
 ) -> list[dict]:  # fmt: skip
     model = load_model(target).eval()
-    codec = TextCodec(load_tokenizer(target), model.config.bos_token_id, model.config.eos_token_id)
+    codec = TextCodec.from_checkpoint(target, model.config)
     hf = HFRunner(target, codec.eos_id, model.config.pad_token_id or 0)
     specs = spec_configs(draft, compiled, max_k)
     setup = Setup(mode, model, codec, hf, specs, max_tokens, lookup, clock)

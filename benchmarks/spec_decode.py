@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from specrl.config.loader import atomic_write_text
-from specrl.models.checkpoint import load_model, load_tokenizer
+from specrl.models.checkpoint import load_model
 from specrl.models.tokenizer import TextCodec
 from specrl.rl.tasks import AdditionTask
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
@@ -120,7 +120,7 @@ def run(
 ) -> list[dict]:
     specs = configs(draft)
     model = load_model(target)
-    codec = TextCodec(load_tokenizer(target), model.config.bos_token_id, model.config.eos_token_id)
+    codec = TextCodec.from_checkpoint(target, model.config)
     rows = []
     for batch in batches:
 

@@ -30,8 +30,7 @@ import torch
 
 from benchmarks.engine_paths import markdown, render
 from specrl.config.loader import atomic_write_text
-from specrl.models.checkpoint import load_tokenizer
-from specrl.models.tokenizer import TextCodec
+from specrl.models.tokenizer import HFTokenizer, TextCodec
 from specrl.rollout.engine import stop_string_hit
 
 STOPS = ("</answer>", "\n\nQuestion:")
@@ -86,7 +85,7 @@ def byte_level_codec() -> TextCodec:
     )
     corpus = ["The answer is 42. Let me think step by step: 日本語, ünïcode, 3 + 4 = 7."] * 50
     tok.train_from_iterator(corpus, trainer)
-    return TextCodec(tok, 0, 1)
+    return TextCodec(HFTokenizer(tok, {"eos_token": "</s>"}))
 
 
 def main() -> None:
@@ -100,7 +99,7 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    codec = byte_level_codec() if args.byte_level else TextCodec(load_tokenizer(args.target), 1, 2)
+    codec = byte_level_codec() if args.byte_level else TextCodec.from_checkpoint(args.target)
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):
         tokens = [0, *output_without_stops(codec, length, seed=length)]  # prompt: one token

@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.rollout import prompt_set
 from specrl.config.loader import atomic_write_text
-from specrl.models.checkpoint import load_model, load_tokenizer
+from specrl.models.checkpoint import load_model
 from specrl.models.tokenizer import TextCodec
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 from specrl.rollout.gating import SETTLE_STEPS, Arm
@@ -76,9 +76,7 @@ def main() -> None:
         ap.error("--spec, --plain and --k must be ≥ 1")
     torch.set_num_threads(1)
     model = load_model(args.target).eval()
-    codec = TextCodec(
-        load_tokenizer(args.target), model.config.bos_token_id, model.config.eos_token_id
-    )
+    codec = TextCodec.from_checkpoint(args.target, model.config)
     spec = SpecConfig(
         ("eagle3", "ngram"), max_k=args.k, proposer_options={"eagle3": {"path": str(args.draft)}}
     )

@@ -154,6 +154,40 @@ def test_draft_adds_the_eagle3_drafter(checkpoint, draft, tmp_path, monkeypatch,
     assert code == 1 and _flat(stderr).startswith("Error:")
 
 
+def test_chat_template_flag(checkpoint, tmp_path, monkeypatch, capsys):
+    """--chat-template: prompts go through the checkpoint's template (the same tokens as the
+    codec's chat encoding, greedy); a checkpoint without one is a one-line error."""
+    from specrl.models.tokenizer import TextCodec
+
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps(RECORDS[0])])
+    args = ["--prompts", str(prompts), "--temperature", "0", "--max-tokens", "6"]
+    code, _, err = _cli(
+        monkeypatch, capsys, "rollout", "--target", str(checkpoint), *args, "--out",
+        str(tmp_path / "x.jsonl"), "--chat-template",
+    )  # fmt: skip
+    assert code == 1 and "no chat template" in err and len(err.strip().splitlines()) == 2
+    chat = tmp_path / "chat"
+    shutil.copytree(checkpoint, chat)
+    cfg = json.loads((chat / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{{ bos_token }}{% for m in messages %}Q:{{ m['content'] }}{% endfor %}A:"
+    )
+    (chat / "tokenizer_config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "chat.jsonl"
+    code, _, _ = _cli(
+        monkeypatch, capsys, "rollout", "--target", str(chat), *args, "--out", str(out),
+        "--proposers", "none", "--chat-template",
+    )  # fmt: skip
+    assert code == 0
+    row = json.loads(out.read_text().splitlines()[0])
+    codec = TextCodec.from_checkpoint(chat, chat=True)
+    ids = codec.encode_prompt("12+34=")
+    assert codec.tokenizer.decode(ids, skip_special_tokens=False) == "<bos>Q:12+34=A:"
+    engine = build_engine(rollout_config("none", 4, 4, False, None), chat, device="cpu")
+    ref = engine.generate([Request(ids, SamplingParams(max_tokens=6, temperature=0))])[0]
+    assert row["tokens"] == ref.tokens
+
+
 def test_human_summary_goes_to_stdout(checkpoint, tmp_path, monkeypatch, capsys):
     prompts = _write(tmp_path / "p.jsonl", [json.dumps(RECORDS[0])])
     out = tmp_path / "out.jsonl"

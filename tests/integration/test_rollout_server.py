@@ -30,7 +30,7 @@ from specrl.cli.rollout import rollout_config
 from specrl.models.checkpoint import save_model
 from specrl.models.decoder import Transformer
 from specrl.models.presets import preset_config
-from specrl.models.tokenizer import char_tokenizer, special_ids
+from specrl.models.tokenizer import HFTokenizer, char_tokenizer, special_ids
 from specrl.rl.tasks import AdditionTask
 from specrl.rollout import Request, SamplingParams
 from specrl.rollout.factory import build_engine
@@ -238,7 +238,7 @@ def test_weight_endpoint_needs_the_configured_bearer_token(url, checkpoint, tmp_
     from specrl.models.tokenizer import TextCodec
 
     ids = special_ids(tok)
-    codec = TextCodec(tok, ids["bos"], ids["eos"])
+    codec = TextCodec(tok)
     reply = httpx.post(
         f"{url}/v1/completions",
         json={"prompt": "77+8=", "max_tokens": 10, "temperature": 0},
@@ -274,7 +274,9 @@ def _free_port() -> int:
 
 def test_sigterm_finishes_in_flight_requests(tmp_path):
     checkpoint = tmp_path / "no-eos"  # without eos every request runs its full max_tokens
-    save_model(_model(0, eos=False), checkpoint, tokenizer=char_tokenizer())
+    tok = char_tokenizer()  # its files name no eos either (HF consumers stop at the tokenizer's)
+    no_eos = HFTokenizer(tok.raw, {**tok.config, "eos_token": None})
+    save_model(_model(0, eos=False), checkpoint, tokenizer=no_eos)
     port = _free_port()
     env = dict(os.environ, SPECRL_UPDATE_TOKEN=TOKEN, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "specrl", "rollout", "serve", "--target", str(checkpoint)]

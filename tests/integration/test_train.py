@@ -84,6 +84,18 @@ def test_single_process_run(first_run):
         "rank0.json",
     }
     assert not list(step_dir.rglob("*.pt")) and not list(step_dir.rglob("*.bin"))
+    # the warm-started target and the run's policy checkpoints carry the tokenizer files every
+    # HF consumer encodes prompts from alike (BOS included for the toy)
+    for ckpt in (base / "target", step_dir / "policy"):
+        names = {p.name for p in ckpt.iterdir()}
+        assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= names
+        transformers = pytest.importorskip("transformers")
+        from specrl.models.tokenizer import TextCodec
+
+        hf = transformers.AutoTokenizer.from_pretrained(str(ckpt))
+        ours = TextCodec.from_checkpoint(ckpt)
+        assert list(hf("12+34=")["input_ids"]) == ours.encode_prompt("12+34=")
+        assert ours.encode_prompt("12+34=")[0] == ours.bos_id is not None
 
 
 def test_cotrain_with_ngram_only_engine(first_run, tmp_path):

@@ -76,6 +76,27 @@ def test_export_keys_dtypes_and_config(pair, tmp_path, dtype, torch_dtype):
     assert "target_hidden_size" not in cfg  # equal to hidden_size here
 
 
+def test_full_vocabulary_export_has_no_map_for_vllm(tmp_path):
+    """vLLM builds no draft→target map when the draft vocabulary is the target's (a d2t would
+    fail its load); SGLang/SpecForge's layout keeps both buffers.  Both import back exactly."""
+    target, draft = make_pair(draft_vocab=41, dtype=torch.float32)
+    for server in ("vllm", "sglang"):
+        export_draft(draft, tmp_path / server, server=server, dtype="fp32")
+        tensors = load_file(str(tmp_path / server / "model.safetensors"))
+        cfg = json.loads((tmp_path / server / "config.json").read_text())
+        assert cfg["draft_vocab_size"] == cfg["vocab_size"] == 41
+        if server == "vllm":
+            assert set(tensors) == SERVING_KEYS - {"d2t", "t2d"}
+        else:
+            assert set(tensors) == SERVING_KEYS
+            assert not tensors["d2t"].any() and tensors["t2d"].all()
+        back = import_eagle3(tmp_path / server, target, server=server, dtype=torch.float32)
+        sd = draft.state_dict()
+        assert all(torch.equal(sd[k], v) for k, v in back.state_dict().items())
+        report = verify_export(draft, tmp_path / server, target, server=server)
+        assert report["ok"], report
+
+
 def test_layer_id_conventions_round_trip(pair, tmp_path):
     target, draft = pair
     taps = draft.config.tap_layers  # (0, 1, 2): outputs of layers 0, 1, 2

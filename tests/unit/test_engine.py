@@ -325,11 +325,10 @@ def test_stop_token_ends_the_sample_and_is_kept():
 
 
 def test_eos_and_stop_strings_with_a_codec():
-    from specrl.models.tokenizer import TextCodec, char_tokenizer, special_ids
+    from specrl.models.tokenizer import TextCodec, char_tokenizer
 
     tok = char_tokenizer()
-    ids = special_ids(tok)
-    codec = TextCodec(tok, ids["bos"], ids["eos"])
+    codec = TextCodec(tok)
     model = tiny(seed=5, vocab=tok.get_vocab_size())
     prompt = "12+34="
     free = make_engine(model, codec=codec, eos_token_ids=[]).generate(
@@ -533,10 +532,10 @@ def test_stop_strings_found_from_the_tail_as_from_the_whole_text():
     """``stop_string_hit`` (tail decode per token) finds the same stop, at the same token and
     with the same text, as decoding the whole output after every token: multi-byte
     characters split across tokens, special tokens decoding to nothing, long outputs."""
-    from specrl.models.tokenizer import TextCodec
+    from specrl.models.tokenizer import HFTokenizer, TextCodec
     from specrl.rollout.engine import stop_string_hit
 
-    codec = TextCodec(_byte_level_tokenizer(), 0, 1)
+    codec = TextCodec(HFTokenizer(_byte_level_tokenizer(), {"eos_token": "</s>"}))
     vocab = codec.tokenizer.get_vocab_size()
     rng = random.Random(0)
     stops_sets = [("</answer>",), ("日本",), ("ö", "wör"), ("テキスト", "42"), ("x⟩",)]
@@ -548,7 +547,7 @@ def test_stop_strings_found_from_the_tail_as_from_the_whole_text():
         out: list[int] = []
         while len(out) < 400:
             if rng.random() < 0.02:
-                out += codec.tokenizer.encode(rng.choice(stops)).ids
+                out += codec.tokenizer.encode(rng.choice(stops))
             elif rng.random() < 0.05:
                 out.append(rng.choice([0, 1]))  # special tokens: decode to nothing
             else:

@@ -38,7 +38,7 @@ def test_seeded_sampling_is_reproducible():
 
 def test_tokenizer_round_trip():
     tok = char_tokenizer()
-    codec = TextCodec(tok, **{"bos_id": special_ids(tok)["bos"], "eos_id": special_ids(tok)["eos"]})
+    codec = TextCodec(tok)
     text = "4821+397=1+7+0=08;#5218"
     ids = codec.encode_prompt(text)
     assert ids[0] == special_ids(tok)["bos"] and len(ids) == len(text) + 1

@@ -51,6 +51,14 @@ DraftOpt = Annotated[
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the engine (sampling, bandit).")]
+ChatOpt = Annotated[
+    bool,
+    typer.Option(
+        "--chat-template/--no-chat-template",
+        help="Encode each prompt as one user message through the checkpoint's chat template "
+        "(generation prompt included), as transformers' apply_chat_template does.",
+    ),
+]
 CompileOpt = Annotated[
     bool,
     typer.Option(
@@ -70,6 +78,14 @@ def rollout_config(proposers: str, k: int, batch_size: int, compile: bool, draft
         names.append("eagle3")
     speculation = SpeculationConfig(proposers=names, max_k=k) if names else None
     return RolloutConfig(max_batch_size=batch_size, compile=compile, speculation=speculation)
+
+
+def chat_codec(target: Path):
+    """The checkpoint's codec with prompts through its chat template."""
+    from specrl.models.checkpoint import load_config
+    from specrl.models.tokenizer import TextCodec
+
+    return TextCodec.from_checkpoint(target, load_config(target), chat=True)
 
 
 def read_prompts(path: Path) -> list[tuple[int, dict[str, Any]]]:
@@ -135,6 +151,7 @@ def rollout_command(
     batch_size: BatchOpt = 16,
     device: DeviceOpt = "auto",
     compile: CompileOpt = False,
+    chat_template: ChatOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Generate n samples per prompt of a JSONL file with speculative decoding."""
@@ -152,7 +169,8 @@ def rollout_command(
 
     records = read_prompts(prompts)
     config = rollout_config(proposers, k, batch_size, compile, draft)
-    engine = build_engine(config, target, draft, device=device, seed=seed)
+    codec = chat_codec(target) if chat_template else None
+    engine = build_engine(config, target, draft, codec=codec, device=device, seed=seed)
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n
     )
@@ -232,6 +250,7 @@ def serve_command(
     device: DeviceOpt = "auto",
     seed: SeedOpt = 0,
     compile: CompileOpt = False,
+    chat_template: ChatOpt = False,
 ) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API (completions, health, metrics)."""
     if target is None:
@@ -253,7 +272,8 @@ def serve_command(
     elif os.environ.get("SPECRL_UPDATE_TOKEN"):
         token = os.environ["SPECRL_UPDATE_TOKEN"].strip()
     config = rollout_config(proposers, k, batch_size, compile, draft)
-    engine = build_engine(config, target, draft, device=device, seed=seed)
+    codec = chat_codec(target) if chat_template else None
+    engine = build_engine(config, target, draft, codec=codec, device=device, seed=seed)
     if not isinstance(engine, RolloutEngine):  # the server steps it (one batch, many clients)
         raise ConfigError("rollout serve serves the embedded engine only")
     if compile:  # compile before serving: the first clients would otherwise wait for it

@@ -86,6 +86,12 @@ class PolicyConfig:
         None, "If set and `path` holds no checkpoint, create it by supervised warm-start first."
     )
     max_new_tokens: int = doc(64, "Generation budget per completion (evaluation and rollouts).")
+    chat_template: bool = doc(
+        False,
+        "Encode each prompt as one user message through the checkpoint's chat template "
+        "(tokenizer_config.json chat_template, generation prompt included), as "
+        "apply_chat_template does; false: plain text, as the tokenizer encodes it.",
+    )
     shape: str | None = doc(
         None,
         "Named shape preset the checkpoint must match (llama-8b, qwen-32b, llama-70b, "

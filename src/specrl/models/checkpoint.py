@@ -1,4 +1,5 @@
-"""HF-format checkpoint directories: ``config.json`` + safetensors (single or sharded) + tokenizer.
+"""HF-format checkpoint directories: ``config.json`` + safetensors (single or sharded) + tokenizer
+files (:mod:`specrl.models.tokenizer`).
 
 Loading validates everything before touching the model: a missing directory, a truncated or
 corrupt safetensors file, an unsupported architecture, missing/unexpected tensor names and shape
@@ -117,16 +118,11 @@ def read_safetensors(
 
 
 def load_tokenizer(path: str | os.PathLike[str]):
-    """``tokenizers.Tokenizer`` from ``tokenizer.json`` in a checkpoint dir, or None if absent."""
-    from tokenizers import Tokenizer
+    """The checkpoint's tokenizer files (:class:`~specrl.models.tokenizer.HFTokenizer`), or None
+    when it has no ``tokenizer.json``."""
+    from specrl.models.tokenizer import HFTokenizer
 
-    f = Path(path) / TOKENIZER_NAME
-    if not f.is_file():
-        return None
-    try:
-        return Tokenizer.from_file(str(f))
-    except Exception as exc:
-        raise CheckpointError(f"'{f}' is not a valid tokenizer.json ({exc})") from None
+    return HFTokenizer.from_dir(path)
 
 
 def load_config(path: str | os.PathLike[str]) -> ModelConfig:
@@ -248,8 +244,8 @@ def save_model(
             total = sum(t.numel() * t.element_size() for t in state.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        if tokenizer is not None:
-            tokenizer.save(str(tmp / TOKENIZER_NAME))
+        if tokenizer is not None:  # tokenizer.json, tokenizer_config.json, generation_config.json
+            tokenizer.save_pretrained(tmp)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
     return Path(path)

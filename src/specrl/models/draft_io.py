@@ -17,7 +17,8 @@ embedding.  Policy on mismatch (documented in the README):
 **Serving export** (REFERENCE §2; what vLLM and SGLang load): ``config.json`` with
 ``architectures: ["LlamaForCausalLMEagle3"]`` and the aux layer ids written explicitly in the
 chosen server's convention, plus ``model.safetensors`` (``fc``, ``midlayer.*``, ``norm``,
-``lm_head``, ``d2t`` int64, ``t2d`` bool; no embedding).
+``lm_head``, ``d2t`` int64, ``t2d`` bool; no embedding).  A full-size draft vocabulary has no
+``d2t``/``t2d`` in the vLLM export (vLLM has no map then; :func:`serving_tensors`).
 
 Layer-id conventions: specrl stores *output of decoder layer X* (SpecForge's and SGLang's id X);
 vLLM's ``eagle_aux_hidden_state_layer_ids`` mean *input to layer X*, i.e. X + 1.
@@ -297,6 +298,23 @@ def export_config(draft: Eagle3Draft, server: Server, dtype: torch.dtype) -> dic
     return cfg
 
 
+def serving_tensors(
+    draft: Eagle3Draft, server: Server, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors of a serving export (specrl's names; the server renames ``midlayer.``).
+
+    A draft whose vocabulary is the target's carries no ``d2t``/``t2d`` for vLLM: its EAGLE-3
+    model creates the draft→target map only for a reduced vocabulary, and a ``d2t`` it has no
+    parameter for fails the load.  SGLang reads a missing ``d2t`` as the full vocabulary too,
+    but SpecForge's ``LlamaForCausalLMEagle3`` declares both buffers, so the SGLang export
+    keeps them (``d2t`` all zero, ``t2d`` all true)."""
+    tensors = draft_state(draft, dtype)
+    if server == "vllm" and draft.config.draft_vocab_size == draft.config.vocab_size:
+        tensors.pop("d2t")
+        tensors.pop("t2d")
+    return tensors
+
+
 def export_draft(
     draft: Eagle3Draft,
     path: str | os.PathLike[str],
@@ -306,7 +324,7 @@ def export_draft(
 ) -> Path:
     """Write the serving format (config.json + model.safetensors, no embedding), atomically."""
     dt = parse_dtype(dtype)
-    tensors = draft_state(draft, dt)
+    tensors = serving_tensors(draft, server, dt)
     with atomic_directory(path) as tmp:
         cfg = export_config(draft, server, dt)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")

@@ -89,7 +89,9 @@ class ExportedEagle3:
         """[T, V] over the target vocabulary (−inf outside the draft vocabulary)."""
         w = self.w
         logits = _rms(prenorm, w["norm.weight"], self.eps) @ w["lm_head.weight"].T
-        ids = torch.arange(logits.shape[-1]) + w["d2t"].to(torch.int64)
+        ids = torch.arange(logits.shape[-1])  # no d2t: the draft vocabulary is the target's
+        if "d2t" in w:
+            ids = ids + w["d2t"].to(torch.int64)
         full = logits.new_full((logits.shape[0], self.embed.shape[0]), float("-inf"))
         full[:, ids] = logits
         return full

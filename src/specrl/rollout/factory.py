@@ -132,9 +132,8 @@ def spec_config(
 def load_target(path: Path, device: str | torch.device = "auto") -> tuple[Transformer, TextCodec]:
     """An HF-format checkpoint directory as (model on ``device``, its text codec)."""
     model = load_model(path, device=pick_device(device) if isinstance(device, str) else device)
-    tok = load_tokenizer(path)
-    if tok is None:
+    if load_tokenizer(path) is None:
         raise CheckpointError(
             f"'{path}' has no tokenizer.json", hint="rollouts encode text prompts with it"
         )
-    return model, TextCodec(tok, model.config.bos_token_id, model.config.eos_token_id)
+    return model, TextCodec.from_checkpoint(path, model.config)

@@ -94,6 +94,7 @@ def ensure_artifacts(recipe: Recipe, progress: Progress | None = None) -> dict[s
             tap_layers=tuple(init.tap_layers) if init.tap_layers else None,
             seed=recipe.run.seed,
             device="cuda" if recipe.run.device == "cuda" else "cpu",
+            chat_template=recipe.policy.chat_template,
         )
         cb = None
         if progress is not None:

@@ -68,6 +68,7 @@ class DraftInitOptions:
     aux_convention: Literal["vllm", "sglang"] = "vllm"
     seed: int = 0
     device: str = "cpu"
+    chat_template: bool = False  # prompts through the target's chat template
 
 
 @dataclass
@@ -244,12 +245,11 @@ def run_draft_init(opts: DraftInitOptions, *, progress=None) -> DraftInitResult:
     target = load_model(opts.target, device=opts.device).eval()
     for p in target.parameters():
         p.requires_grad_(False)
-    tok = load_tokenizer(opts.target)
-    if tok is None:
+    if load_tokenizer(opts.target) is None:
         raise CheckpointError(
             f"'{opts.target}' has no tokenizer.json; init-draft needs it to encode prompts"
         )
-    codec = TextCodec(tok, target.config.bos_token_id, target.config.eos_token_id)
+    codec = TextCodec.from_checkpoint(opts.target, target.config, chat=opts.chat_template)
     if opts.task is None:
         raise DataError("init-draft needs a task for prompts", hint="pass --task or --recipe")
     # validate the draft against the target before the (expensive) generation

@@ -58,16 +58,10 @@ from specrl.rl.tasks import task_from_config
 from specrl.rollout.factory import build_engine
 from specrl.rollout.types import Engine
 from specrl.train import checkpoint as ckpt
-from specrl.train.artifacts import check_artifacts, policy_ready, prepare_run
+from specrl.train import experience as exp
+from specrl.train.artifacts import Progress, check_artifacts, policy_ready, prepare_run
 from specrl.train.batch import Sample
 from specrl.train.evaluate import evaluate
-from specrl.train.experience import (
-    COUNTERS,
-    replica_prompts,
-    rollout_metrics,
-    rollout_requests,
-    score,
-)
 from specrl.train.layout import TrainLayout, check_model, check_split, setup_distributed
 from specrl.train.metrics import MetricsWriter
 from specrl.train.parallelize import parallelize_policy
@@ -80,8 +74,6 @@ from specrl.train.state_io import (
     set_pyrandom_state,
 )
 from specrl.train.strategy import DraftMode, MinibatchOutput
-
-Progress = Callable[[str, int, int, str], None]
 
 
 class Interrupted(SpecrlError):
@@ -154,8 +146,16 @@ def build_trainer(
         draft, _ = load_draft(draft_dir, policy, share_embedding=True)
         if recipe.draft.mode == "frozen":
             draft.requires_grad_(False)
+    codec = TextCodec.from_checkpoint(policy_dir, policy.config, chat=recipe.policy.chat_template)
     trainer = RLTrainer(
-        recipe, layout, policy, tokenizer, draft=draft, reference=reference, created=created
+        recipe,
+        layout,
+        policy,
+        tokenizer,
+        codec,
+        draft=draft,
+        reference=reference,
+        created=created,
     )
     if resume_from is not None:
         trainer.load(resume_from)
@@ -171,6 +171,7 @@ class RLTrainer:
         layout: TrainLayout,
         policy: Transformer,
         tokenizer: Any,
+        codec: TextCodec,
         *,
         draft: Eagle3Draft | None = None,
         reference: Transformer | None = None,
@@ -183,7 +184,7 @@ class RLTrainer:
         self.rank, self.world = layout.rank, layout.world
         self.run_dir = Path(recipe.run.directory)
         self.device = policy.device
-        self.codec = TextCodec(tokenizer, policy.config.bos_token_id, policy.config.eos_token_id)
+        self.codec = codec
         self.pad_id = self.codec.bos_id if self.codec.bos_id is not None else 0
         self.task = task_from_config(recipe.task)
         self.held_out = self.task.sample(random.Random(recipe.run.seed + 1), recipe.task.eval_size)
@@ -325,7 +326,7 @@ class RLTrainer:
         """Rollout, update, sync (module docstring); the step's metrics record."""
         t_start = time.perf_counter()
         r, lay = self.recipe.rollout, self.layout
-        prompts = replica_prompts(
+        prompts = exp.replica_prompts(
             self.task, self.prompt_rng, r.prompts_per_step, lay.dims.dp, lay.dp_rank
         )
         t0 = time.perf_counter()
@@ -333,9 +334,9 @@ class RLTrainer:
         stats: dict[str, Any] = {}
         samples = None
         if self.engine is not None:
-            requests = rollout_requests(prompts, self.codec, r, self.recipe.run.seed, step)
+            requests = exp.rollout_requests(prompts, self.codec, r, self.recipe.run.seed, step)
             results = self.engine.generate(requests)
-            samples, counters = score(self.task, prompts, results, r.n, self.recipe.algo)
+            samples, counters = exp.score(self.task, prompts, results, r.n, self.recipe.algo)
             stats = results.stats
         t_rollout = time.perf_counter() - t0
         samples = lay.share(samples)
@@ -343,11 +344,11 @@ class RLTrainer:
         t0 = time.perf_counter()
         self.sync_engine(step + 1)
         t_sync = time.perf_counter() - t0
-        t = torch.tensor([float(counters.get(k, 0)) for k in COUNTERS], dtype=torch.float64)
-        summed = dict(zip(COUNTERS, lay.sum_(t).tolist(), strict=True))
+        t = torch.tensor([float(counters.get(k, 0)) for k in exp.COUNTERS], dtype=torch.float64)
+        summed = dict(zip(exp.COUNTERS, lay.sum_(t).tolist(), strict=True))
         return {
             "step": step + 1,
-            **rollout_metrics(summed, stats, t_rollout),
+            **exp.rollout_metrics(summed, stats, t_rollout),
             **upd,
             "time_rollout": t_rollout,
             "time_sync": t_sync,

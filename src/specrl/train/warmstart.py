@@ -100,7 +100,7 @@ def run_warmstart(
         eos_token_id=ids["eos"],
         pad_token_id=ids["pad"],
     )
-    codec = TextCodec(tok, ids["bos"], ids["eos"])
+    codec = TextCodec(tok, chat=recipe.policy.chat_template)
     model = Transformer(config).init_weights(recipe.run.seed).to(device)
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
