@@ -12,8 +12,8 @@ For every (total tokens S, cp) a gloo group of cp CPU ranks builds each shift an
 shifted rows still alive while the next are built — and measures per rank:
 
 - **peak MiB**: bytes allocated beyond the inputs during that call, from the allocator's event
-  stream (``benchmarks/memory.py``: construction, communication buffers, the memoized gathered
-  teacher or halo, the shifted rows); the largest rank is reported;
+  stream (``benchmarks.harness.peak_bytes``: construction, communication buffers, the memoized
+  gathered teacher or halo, the shifted rows); the largest rank is reported;
 - **received MiB**: bytes each rank receives (gather: the other cp − 1 shards of both tensors;
   halo: 2·B·K rows of both);
 - **s**: wall clock of a second, unprofiled call between barriers, slowest rank (CPU ranks
@@ -22,8 +22,8 @@ shifted rows still alive while the next are built — and measures per rank:
 Both outputs are checked equal.  The packs are random documents (``--mean-doc`` tokens on
 average), so every chunk is longer than K and ``HaloShift`` takes its halo path.
 
-    python -m benchmarks.teacher_shift            # 8K and 32K tokens × cp 2, 4; V_draft 4096
-    python -m benchmarks.teacher_shift --quick    # 2K and 8K tokens
+    python -m benchmarks.studies.teacher_shift          # 8K and 32K tokens × cp 2, 4; V_draft 4096
+    python -m benchmarks.studies.teacher_shift --quick  # 2K and 8K tokens
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.cp_attention import pack_lengths
-from benchmarks.memory import peak_bytes
+from benchmarks.harness import peak_bytes
 from specrl.core.attention import CPContext, PackedLayout, ZigzagPlan
 from specrl.core.distributed import spawn
 from specrl.train.ttt import GatheredShift, HaloShift
 
 MODES = ("gather", "halo")
-RESULTS = Path(__file__).parent / "results" / "teacher_shift.json"
+RESULTS = Path(__file__).parents[1] / "results" / "studies" / "teacher_shift.json"
 
 
 def _rank_worker(rank: int, world: int, cfg: dict) -> dict:

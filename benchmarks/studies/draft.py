@@ -1,6 +1,6 @@
 """Draft cost relative to the target, and TTT memory of the dense vs efficient attention paths.
 
-Part 1 — **step cost ratio c = draft step / target step** (REFERENCE §6: the speculation gain is
+Part 1 — **step cost ratio c = draft step / target step** (the speculation gain is
 ≈ E / (k·c + 1)).  Analytic FLOPs per decoded token at context ``--context`` (matmuls 2·params,
 attention 4·ctx·Hq·D per layer) and measured CPU time of one batch-1 cached decode step, for the
 toy presets and an 8B-shaped config.  An 8B target does not fit this machine, so its measured
@@ -9,10 +9,11 @@ target step is one real decoder layer × L plus the lm_head, each timed on real 
 Part 2 — **TTT peak memory vs sequence length**: one forward+backward of ``ttt_forward`` with
 K = 7 steps through the dense reference (materializes [H, S, S+K·S] scores per step: quadratic)
 and through the efficient path (``core.attention.ttt``: causal blocks merged with closed-form
-branch terms: linear), measured from the allocator's event stream (benchmarks/memory.py).
+branch terms: linear), measured from the allocator's event stream
+(``benchmarks.harness.peak_bytes``).
 
-    python -m benchmarks.draft            # table + benchmarks/results/draft.json
-    python -m benchmarks.draft --quick
+    python -m benchmarks.studies.draft            # table + benchmarks/results/studies/draft.json
+    python -m benchmarks.studies.draft --quick
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.memory import peak_bytes
+from benchmarks.harness import peak_bytes
 from specrl.core.attention import PackedLayout
 from specrl.models.config import ModelConfig
 from specrl.models.decoder import CacheBatch, DecoderLayer, Transformer
 from specrl.models.draft import DraftConfig, Eagle3Draft, init_draft_weights
 from specrl.models.presets import preset_config
 
-RESULTS = Path(__file__).parent / "results" / "draft.json"
+RESULTS = Path(__file__).parents[1] / "results" / "studies" / "draft.json"
 
 
 def target_flops(cfg: ModelConfig, ctx: int) -> float:
