@@ -37,7 +37,7 @@ from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 from specrl.rollout.proposers import ProposerContext, register_proposer
 from specrl.rollout.proposers.eagle3 import Eagle3Proposer
 
-PROFILE = REPO / "benchmarks" / "results" / "draft_temperature.json"
+PROFILE = REPO / "benchmarks" / "results" / "studies" / "draft_temperature.json"
 PROFILE_ROW = {"target": "runs/toy/target", "scale": "auto"}
 MAX_K = 4  # the profile's drafts were at most 4 long
 
