@@ -202,12 +202,17 @@ def cell(value: Any) -> str:
     return str(value)
 
 
+def _numeric(rows: Sequence[Mapping[str, Any]], column: str) -> bool:
+    """Whether every value of ``column`` is a number or missing (a right-aligned column)."""
+    values = [r.get(column) for r in rows]
+    return all(
+        v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in values
+    )
+
+
 def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
     """``rows`` as a Markdown table of ``columns`` (text left aligned, numbers right)."""
-    numeric = {
-        c: all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows)
-        for c in columns
-    }
+    numeric = {c: _numeric(rows, c) for c in columns}
     lines = ["| " + " | ".join(columns) + " |"]
     lines.append("|" + "".join(" ---: |" if numeric[c] else " --- |" for c in columns))
     for r in rows:
@@ -222,8 +227,7 @@ def print_table(title: str, rows: Sequence[Mapping[str, Any]], columns: Sequence
 
     table = Table(title=title)
     for c in columns:
-        numeric = all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows)
-        table.add_column(c, justify="right" if numeric else "left")
+        table.add_column(c, justify="right" if _numeric(rows, c) else "left")
     for r in rows:
         table.add_row(*(cell(r.get(c)) for c in columns))
     Console(width=200).print(table)

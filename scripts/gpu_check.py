@@ -14,6 +14,9 @@ order, each in its own process with its own time limit:
 - ``env``: versions, the device, which optional backends import (``specrl env``'s report);
 - ``kernels``: ``pytest tests/gpu`` (flex / flash-attn block kernels against the torch kernel
   at bf16 tolerances);
+- ``rollout``: the embedded engine, plain against best-of-N at batch 1 / 8 / 64, on a
+  real-size random-init target whose drafts are accepted at a measured per-position profile,
+  replayed losslessly (:mod:`gpu_check_rollout`);
 - ``profile``: ``profile-parallelism``'s predicted peak memory against the measured peak for
   the layouts that fit on one device.
 
@@ -68,6 +71,8 @@ class Check:
 CHECKS: tuple[Check, ...] = (
     Check("env", "versions, device, optional backends", 60, 5, 45, 2),
     Check("kernels", "pytest tests/gpu: attention block kernels", 150, 30, 60, 5),
+    Check("rollout", "engine plain vs best-of-N at batch 1/8/64, replayed acceptance",
+          240, 60, 60, 5),
     Check("profile", "profile-parallelism prediction vs measured memory", 90, 20, 60, 5),
 )  # fmt: skip
 BY_NAME = {c.name: c for c in CHECKS}
@@ -287,6 +292,8 @@ def run_all(args: argparse.Namespace) -> int:
     prepare_out(out)
     setup = prepare_imports(args.wheels, out / ".site")
     env = setup["env"]
+    if args.dry_run:  # tiny shapes: one thread each is faster than several on a busy machine
+        env.setdefault("OMP_NUM_THREADS", "1")
     meta = {
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

@@ -8,8 +8,6 @@ ones in a dry run; nothing here is a second implementation of them.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -72,22 +70,27 @@ def _junit(path: Path) -> list[dict[str, str]]:
 
 
 def check_kernels(ctx: Ctx) -> dict[str, Any]:
-    """``pytest tests/gpu`` (every test skips without CUDA, so the dry run exercises the path)."""
+    """``pytest tests/gpu``, in this check's process (every test skips without CUDA, so the
+    dry run goes through the same path)."""
+    import contextlib
+    import io
+    import os
+
+    import pytest
+
     xml = ctx.out / "kernels_junit.xml"
     xml.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu",
-           f"--junitxml={xml}", f"--timeout={max(10, int(ctx.left() - 10))}"]  # fmt: skip
-    env = None
     if ctx.device == "cpu":
-        import os
-
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the rehearsal must not use a GPU
-    proc = subprocess.run(
-        cmd, cwd=REPO, capture_output=True, text=True, timeout=max(5, ctx.left() - 5), env=env
-    )
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the rehearsal must not touch a GPU
+    args = ["-q", "-p", "no:cacheprovider", str(REPO / "tests" / "gpu"), f"--junitxml={xml}",
+            f"--rootdir={REPO}", f"--timeout={max(10, int(ctx.left() - 10))}"]  # fmt: skip
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        code = pytest.main(args)
+    print(log.getvalue())
     if not xml.is_file():
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        return result("failed", f"pytest wrote no report (exit code {proc.returncode})", log=tail)
+        tail = "\n".join(log.getvalue().strip().splitlines()[-15:])
+        return result("failed", f"pytest wrote no report (exit code {int(code)})", log=tail)
     cases = _junit(xml)
     counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "skipped")}
     rows = [[c["test"], c["outcome"], c["message"]] for c in cases]
@@ -115,7 +118,7 @@ def check_profile(ctx: Ctx) -> dict[str, Any]:
 
     if (why := _no_cuda(ctx)) is not None:
         return result("skipped", why)
-    shapes: list[tuple[str, dict, int]] = [("small (4 layers, H 64)", SMALL_MODEL, 128)]
+    shapes: list[tuple[str, dict, int]] = [("small (4 layers, H 64)", SMALL_MODEL, 64)]
     if not ctx.dry_run:
         shapes = [("small (4 layers, H 64)", SMALL_MODEL, 512), ("llama-1b shape", LLAMA_1B, 2048)]
     hw = local_hardware()
@@ -154,3 +157,9 @@ LLAMA_1B = dict(
     num_attention_heads=32,
     num_key_value_heads=8,
 )
+
+
+def check_rollout(ctx: Ctx) -> dict[str, Any]:
+    from gpu_check_rollout import run
+
+    return run(ctx)

@@ -73,6 +73,14 @@ def test_dry_run_measures_on_cpu(dry_run) -> None:
     kernels = checks["kernels"]  # every tests/gpu test skips without CUDA
     assert kernels["status"] == "skipped" and kernels["figures"]["skipped"] >= 1
     assert kernels["figures"]["passed"] == kernels["figures"]["failed"] == 0
+    rollout = checks["rollout"]
+    assert rollout["status"] == "ok"
+    for b in (1, 8, 64):
+        assert rollout["figures"][f"b{b}_speedup"] > 0
+        assert rollout["figures"][f"b{b}_plain_tok_s"] > 0
+    assert rollout["profile"]["per_position"] == pytest.approx(
+        [r for r in rollout["tables"][1]["rows"][0][1:]], abs=1e-3
+    )  # the replayed conditional rates give back the source profile
     profile = checks["profile"]
     assert profile["status"] == "ok"
     ratio = profile["figures"]["small_measured_over_predicted_memory"]
@@ -107,3 +115,38 @@ def test_out_holding_other_files_is_refused(tmp_path) -> None:
 def test_unknown_check_is_a_one_line_error(tmp_path) -> None:
     proc = _run("--out", str(tmp_path / "o"), "--only", "nope", timeout=60)
     assert proc.returncode == 1 and "unknown check(s) nope" in proc.stderr
+
+
+def test_replayed_acceptance_matches_the_profile() -> None:
+    """eagle3_replay against a zero-lm_head (uniform) target is accepted at the profile's
+    per-position rates: each measured rate within 4 binomial standard deviations (p ≈ 6e-5 per
+    position under the null)."""
+    import gpu_check_rollout as gr
+    import torch
+
+    from specrl.models.presets import preset_config
+    from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
+
+    per_position = [0.9, 0.6, 0.45, 0.3]
+    alphas = gr.conditional_profile(per_position)
+    assert gr._rates(alphas) == per_position
+    cfg = preset_config("toy-tiny", vocab_size=200)
+    target, draft = gr.build_pair(cfg, torch.device("cpu"), torch.float32, 64)
+    options = {"eagle3_replay": {"draft": draft, "alphas": alphas}}
+    spec = SpecConfig(
+        ("eagle3_replay",), max_k=4, draft_lengths=(4,), gate=False, proposer_options=options
+    )
+    engine = RolloutEngine(target, max_batch_size=16, spec=spec, seed=0, eos_token_ids=())
+    prompts = gr._prompts(16, 6, cfg.vocab_size, 0)
+    res = engine.generate(
+        [Request(p, SamplingParams(48, 1.0, seed=i)) for i, p in enumerate(prompts)]
+    )
+    stats = res.stats["proposers"]["eagle3_replay"]
+    for j, (want, n, hit) in enumerate(
+        zip(per_position, stats["position_drafts"], stats["position_accepted"], strict=True)
+    ):
+        assert n >= 150, (j, n)
+        sd = (want * (1 - want) / n) ** 0.5
+        assert abs(hit / n - want) <= 4 * sd, (j, hit / n, want, n)
+    # every token is still a sample of the uniform target: no id is drafted outside [0, V)
+    assert all(0 <= t < cfg.vocab_size for r in res for t in r.tokens)

@@ -37,13 +37,16 @@ def test_paired_ratio_is_the_median_of_per_repeat_ratios():
 
 
 def test_markdown_table_aligns_numbers_right_and_marks_missing_cells():
-    rows = [{"variant": "plain", "tok_s": 1234.5678}, {"variant": "spec", "tok_s": None}]
-    text = harness.markdown_table(rows, ["variant", "tok_s"])
+    rows = [
+        {"variant": "plain", "tok_s": 1234.5678, "exact": True},
+        {"variant": "spec", "tok_s": None, "exact": False},
+    ]
+    text = harness.markdown_table(rows, ["variant", "tok_s", "exact"])
     assert text.splitlines() == [
-        "| variant | tok_s |",
-        "| --- | ---: |",
-        "| plain | 1235 |",
-        "| spec | - |",
+        "| variant | tok_s | exact |",
+        "| --- | ---: | --- |",
+        "| plain | 1235 | True |",
+        "| spec | - | False |",
     ]
 
 
