@@ -81,8 +81,9 @@ class HaloShift:
     """``shift(x, n)`` for :func:`ttt_loss` under context parallelism by a K-row halo exchange.
 
     Rank r holds chunk r (front) and chunk 2cp−1−r (back) of every sequence (zigzag,
-    :mod:`specrl.core.attention.zigzag`).  A row at offset w of a chunk of c rows shifted by n ≤ c reads offset w + n of the same
-    chunk, or — when w + n ≥ c — offset w + n − c < n of the chunk's successor in global order:
+    :mod:`specrl.core.attention.zigzag`).  A row at offset w of a chunk of c rows shifted by
+    n ≤ c reads offset w + n of the same chunk, or — when w + n ≥ c — offset w + n − c < n of the
+    chunk's successor in global order:
 
     - front chunk r → chunk r+1: rank r+1's front chunk, or for r = cp−1 this rank's own back
       chunk (local: the back chunk follows the front one in the local layout);

@@ -30,7 +30,7 @@ branch merge with linear memory (no S×S score matrix), which is also the single
 
 :func:`ring_attention` is the same ring without a branch, for the target model's own layers;
 :func:`allgather_attention` is the baseline of prior frameworks (full K/V all-gathered on every
-rank for every call) kept for benchmarks.
+rank for every call), the baseline ``benchmarks/cp_attention.py`` measures against.
 """
 
 from __future__ import annotations
