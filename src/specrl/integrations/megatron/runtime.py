@@ -17,12 +17,14 @@ from specrl.integrations.megatron.compat import cpu_compat
 def initialize(pp: int = 1, vp: int | None = None, *, seed: int = 0) -> None:
     """``parallel_state.initialize_model_parallel`` (tp = 1, cp = 1) over the default process
     group, and Megatron's model-parallel RNG seeded (its tracker on the CPU generator where
-    CUDA is absent).  Collective: every rank."""
+    CUDA is absent); a previous state is destroyed first.  Collective: every rank."""
     require()
     with cpu_compat():
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+        if ps.model_parallel_is_initialized():
+            destroy()
         ps.initialize_model_parallel(
             tensor_model_parallel_size=1,
             pipeline_model_parallel_size=pp,
