@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -48,7 +49,7 @@ def test_longtail_lengths_are_heavy_tailed_and_solutions_verify():
         assert t.reward(p.solution, p) == 1.0
         assert t.reward(p.solution.replace("#", "#1"), p) == 0.0
         digits.append(max(len(str(a)), len(str(b))))
-        assert 2 <= min(len(str(a)), len(str(b))) and max(digits) <= 24
+        assert min(len(str(a)), len(str(b))) >= 2 and max(digits) <= 24
     lengths = sorted(len(p.solution) for p in problems)
     p50, p90, top = lengths[len(lengths) // 2], lengths[int(0.9 * len(lengths))], lengths[-1]
     # a tail: the longest responses are many times the median, unlike the uniform toy task
@@ -66,7 +67,7 @@ def test_longtail_lengths_are_heavy_tailed_and_solutions_verify():
 
 def test_tail_weights_and_bad_exponent():
     w = tail_weights(2, 6, 1.0)
-    assert abs(sum(w) - 1) < 1e-12 and all(a > b for a, b in zip(w, w[1:]))
+    assert abs(sum(w) - 1) < 1e-12 and all(a > b for a, b in itertools.pairwise(w))
     assert abs(w[0] / w[1] - 2.0) < 1e-12  # 1^-1 / 2^-1
     with pytest.raises(DataError, match="exponent"):
         build_task("longtail", tail_exponent=0.0)

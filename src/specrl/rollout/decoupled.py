@@ -326,7 +326,9 @@ class Lookahead:
         }
 
 
-def _draft_ahead(jobs: list[tuple[str, Any, list[SeqState], list[SeqState], list[Draft], list[int]]]):
+def _draft_ahead(
+    jobs: list[tuple[str, Any, list[SeqState], list[SeqState], list[Draft], list[int]]],
+):
     """Worker job: each proposer's ahead drafts, split into (bonus guess, next draft)."""
     out: list[_Pending] = []
     for name, proposer, batch, shadows, drafts, want in jobs:

@@ -49,6 +49,7 @@ the K/V computed by the old weights (``Result.policy_versions`` says which versi
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from collections import Counter, deque
@@ -78,6 +79,8 @@ from specrl.rollout.verify import decide, decide_greedy, decide_plain
 from specrl.rollout.weights import apply_update, plan_update
 
 __all__ = ["Request", "Result", "Results", "RolloutEngine", "SpecConfig"]
+
+log = logging.getLogger("specrl.rollout")
 
 
 @dataclass
@@ -318,6 +321,8 @@ class RolloutEngine:
             self._free_slots.append(seq.slot)
             for p in self.proposers.values():
                 p.release(seq)
+            if self.lookahead is not None:
+                self.lookahead.release(seq)
         for rid in ids:
             self._open.pop(rid, None)
         if running:
@@ -440,8 +445,8 @@ class RolloutEngine:
             t_wait = self.clock()
             try:
                 self.lookahead.collect()  # the worker is done before proposers observe
-            except DrafterError:
-                self._abort()
+            except DrafterError as exc:
+                self._drafter_failed(exc)
                 raise
             waited = self.clock() - t_wait
         finished: list[Result] = []
@@ -604,20 +609,16 @@ class RolloutEngine:
             ks.append(max(k, 0))
         self.lookahead.launch(self.proposers, decode.seqs, names, decode.drafts, ks)
 
-    def _abort(self) -> None:
-        """Drop every queued and running sequence (a failed step): slots and proposer state
-        freed, so the engine takes new requests."""
-        for seq in self._running:
-            for p in self.proposers.values():
-                p.release(seq)
-            if self.lookahead is not None:
-                self.lookahead.release(seq)
-        self._running.clear()
-        self._waiting.clear()
-        self._open.clear()
-        self._free_slots = list(range(self.max_batch_size - 1, -1, -1))
-        if self.lookahead is not None:
-            self.lookahead.abandon()
+    def _drafter_failed(self, exc: DrafterError) -> None:
+        """The decoupled drafter raised, died or hung: fail the requests the engine holds
+        (:meth:`abort`) and decode coupled from now on (a warning says so)."""
+        assert self.lookahead is not None
+        self.lookahead.abandon()
+        self.lookahead.worker.close()
+        self.lookahead = None
+        held = {s.request_id for s in (*self._running, *self._waiting)}
+        self.abort(sorted(held))
+        log.warning("%s; later requests draft coupled (decoupled drafting is off)", exc)
 
     def _backlog(self, seqs: list[SeqState], only: str | None = None) -> dict[str, int]:
         """Positions each proposer (with a ``backlog`` method) has queued for ``seqs``."""

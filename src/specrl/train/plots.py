@@ -155,9 +155,7 @@ def _unfold(runs: list[list[int]]) -> tuple[list[int], list[int]]:
     return live, drafting
 
 
-def plot_waves(
-    run_dir: str | Path, out: str | Path | None = None, waves: int = 4
-) -> Path | None:
+def plot_waves(run_dir: str | Path, out: str | Path | None = None, waves: int = 4) -> Path | None:
     """``rollout_wave.png``: left, the live batch per engine step of ``waves`` RL steps'
     rollouts spread over the run (solid: sequences decoding, dots: those that carried drafts);
     right, response length p50 / p90 / max per RL step.  None when the metrics have no waves
@@ -180,7 +178,8 @@ def plot_waves(
     ax1.set_ylabel("sequences")
     ax1.legend(fontsize=8)
     ax1.grid(alpha=0.3)
-    for key, style in (("response_len_max", ":"), ("response_len_p90", "--"), ("response_len_p50", "-")):
+    styles = (("response_len_max", ":"), ("response_len_p90", "--"), ("response_len_p50", "-"))
+    for key, style in styles:
         x, y = _series(recs, key)
         ax2.plot(x, y, style, color="C0", label=key.removeprefix("response_len_"))
     ax2.set_xlabel("RL step")
