@@ -17,6 +17,8 @@ order, each in its own process with its own time limit:
 - ``rollout``: the embedded engine, plain against best-of-N at batch 1 / 8 / 64, on a
   real-size random-init target whose drafts are accepted at a measured per-position profile,
   replayed losslessly (:mod:`gpu_check_rollout`);
+- ``rl_step``: RL steps' time split (rollout / policy / draft / sync), cotrain against none
+  (:mod:`gpu_check_rl`);
 - ``profile``: ``profile-parallelism``'s predicted peak memory against the measured peak for
   the layouts that fit on one device.
 
@@ -73,6 +75,7 @@ CHECKS: tuple[Check, ...] = (
     Check("kernels", "pytest tests/gpu: attention block kernels", 150, 30, 60, 5),
     Check("rollout", "engine plain vs best-of-N at batch 1/8/64, replayed acceptance",
           240, 60, 60, 5),
+    Check("rl_step", "RL steps' time split, cotrain vs none", 180, 60, 75, 5),
     Check("profile", "profile-parallelism prediction vs measured memory", 90, 20, 60, 5),
 )  # fmt: skip
 BY_NAME = {c.name: c for c in CHECKS}
@@ -258,10 +261,16 @@ def summarize(out: Path, meta: dict[str, Any], results: dict[str, dict[str, Any]
     write_atomic(out / "summary.md", "\n".join(lines))
 
 
+def _visible(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    """Leave hidden entries (``.site``: installed wheels; temporary files) out of the archive."""
+    hidden = any(part.startswith(".") for part in Path(info.name).parts[1:])
+    return None if hidden else info
+
+
 def archive(out: Path, dest: Path) -> None:
     tmp = dest.with_name(f".{dest.name}.tmp")
     with tarfile.open(tmp, "w:gz") as tar:
-        tar.add(out, arcname=out.name)
+        tar.add(out, arcname=out.name, filter=_visible)
     os.replace(tmp, dest)
 
 

@@ -90,16 +90,20 @@ def _replay(ctx: ProposerContext, *, draft, alphas: list[float], max_k: int = 16
     return ReplayProposer(draft, ctx, alphas=alphas, max_k=max_k)
 
 
-def build_pair(cfg, device: torch.device, dtype: torch.dtype, draft_vocab: int):
-    """A random-init target with a zero lm_head (uniform p) and a random-init EAGLE-3 draft."""
+def build_pair(
+    cfg, device: torch.device, dtype: torch.dtype, draft_vocab: int, zero_head: bool = True
+):
+    """A random-init target and a random-init EAGLE-3 draft; ``zero_head``: the target's
+    lm_head is zero, so its next-token distribution is exactly uniform."""
     from specrl.models.decoder import Transformer
     from specrl.models.draft import DraftConfig, Eagle3Draft, build_vocab_map, init_draft_weights
 
     with torch.device(device):
         target = Transformer(cfg)
     target.init_weights(0)
-    with torch.no_grad():
-        target.lm_head.weight.zero_()
+    if zero_head:
+        with torch.no_grad():
+            target.lm_head.weight.zero_()
     target = target.to(dtype).eval()
     dcfg = DraftConfig.for_target(cfg, draft_vocab_size=min(draft_vocab, cfg.vocab_size))
     with torch.device(device):

@@ -163,3 +163,9 @@ def check_rollout(ctx: Ctx) -> dict[str, Any]:
     from gpu_check_rollout import run
 
     return run(ctx)
+
+
+def check_rl_step(ctx: Ctx) -> dict[str, Any]:
+    from gpu_check_rl import run
+
+    return run(ctx)

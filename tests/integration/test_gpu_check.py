@@ -81,6 +81,12 @@ def test_dry_run_measures_on_cpu(dry_run) -> None:
     assert rollout["profile"]["per_position"] == pytest.approx(
         [r for r in rollout["tables"][1]["rows"][0][1:]], abs=1e-3
     )  # the replayed conditional rates give back the source profile
+    rl = checks["rl_step"]
+    assert rl["status"] == "ok"
+    for mode in ("cotrain", "none"):
+        assert rl["figures"][f"{mode}_step_s"] > 0 and rl["figures"][f"{mode}_rollout_s"] > 0
+    assert rl["figures"]["none_draft_update_s"] == 0 < rl["figures"]["cotrain_draft_update_s"]
+    assert "projected_step_cotrain_over_none" in rl["figures"]  # from the rollout check's result
     profile = checks["profile"]
     assert profile["status"] == "ok"
     ratio = profile["figures"]["small_measured_over_predicted_memory"]
