@@ -13,14 +13,16 @@ order, each in its own process with its own time limit:
 
 - ``env``: versions, the device, which optional backends import (``specrl env``'s report);
 - ``kernels``: ``pytest tests/gpu`` (flex / flash-attn block kernels against the torch kernel
-  at bf16 tolerances);
+  at bf16 tolerances; the ring with 2 CP processes on one device, NCCL or gloo);
 - ``rollout``: the embedded engine, plain against best-of-N at batch 1 / 8 / 64, on a
   real-size random-init target whose drafts are accepted at a measured per-position profile,
   replayed losslessly (:mod:`gpu_check_rollout`);
 - ``rl_step``: RL steps' time split (rollout / policy / draft / sync), cotrain against none
   (:mod:`gpu_check_rl`);
 - ``profile``: ``profile-parallelism``'s predicted peak memory against the measured peak for
-  the layouts that fit on one device.
+  the layouts that fit on one device;
+- ``vllm``: vLLM plain and with specrl's exported EAGLE-3 draft against the embedded engine on
+  the same weights (:mod:`gpu_check_vllm`; skipped when vLLM is missing).
 
 The total ``--budget-s`` (default 600 s) bounds the run: a check whose minimum would not fit in
 what is left is recorded as "skipped: budget", and a running check is stopped at its own limit
@@ -72,11 +74,12 @@ class Check:
 
 CHECKS: tuple[Check, ...] = (
     Check("env", "versions, device, optional backends", 60, 5, 45, 2),
-    Check("kernels", "pytest tests/gpu: attention block kernels", 150, 30, 60, 5),
+    Check("kernels", "pytest tests/gpu: block kernels, ring on one device", 150, 30, 60, 5),
     Check("rollout", "engine plain vs best-of-N at batch 1/8/64, replayed acceptance",
           240, 60, 60, 5),
     Check("rl_step", "RL steps' time split, cotrain vs none", 180, 60, 75, 5),
     Check("profile", "profile-parallelism prediction vs measured memory", 90, 20, 60, 5),
+    Check("vllm", "vLLM with the exported draft on the same weights", 150, 45, 120, 3),
 )  # fmt: skip
 BY_NAME = {c.name: c for c in CHECKS}
 
@@ -163,6 +166,9 @@ def prepare_imports(wheels: Path | None, site: Path) -> dict[str, Any]:
     spec = importlib.util.find_spec("specrl")
     if spec is not None and spec.origin and Path(spec.origin).resolve().is_relative_to(REPO):
         done["specrl"] = "installed from this checkout"
+    elif spec is not None:  # another checkout's: this one's sources go first
+        paths.append(str(REPO / "src"))
+        done["specrl"] = "PYTHONPATH=src (the installed specrl is another checkout's)"
     else:
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                "--no-build-isolation", "--no-index", "-e", str(REPO)]  # fmt: skip

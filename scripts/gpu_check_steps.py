@@ -169,3 +169,19 @@ def check_rl_step(ctx: Ctx) -> dict[str, Any]:
     from gpu_check_rl import run
 
     return run(ctx)
+
+
+def check_vllm(ctx: Ctx) -> dict[str, Any]:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:  # decided before torch is imported
+        return result("skipped", VLLM_MISSING)
+    from gpu_check_vllm import run
+
+    return run(ctx)
+
+
+VLLM_MISSING = (
+    "skipped: vllm is not installed (pip install 'specrl[vllm]'; without a registry, carry its "
+    "wheels and pass --wheels DIR)"
+)
