@@ -32,11 +32,15 @@ class RunConfig:
 class TaskConfig:
     """The verifiable task rollouts are scored on."""
 
-    name: Literal["addition", "multiplication", "mixed", "jsonl"] = doc(
+    name: Literal["addition", "multiplication", "mixed", "longtail", "jsonl"] = doc(
         "addition", "Built-in toy task, or jsonl for user prompts/answers."
     )
     min_digits: int = doc(2, "Toy tasks: fewest digits of an operand.")
     max_digits: int = doc(5, "Toy tasks: most digits of an operand.")
+    tail_exponent: float = doc(
+        1.5,
+        "longtail task: P(digits d) ∝ (d − min_digits + 1)^−exponent; smaller: a heavier tail.",
+    )
     path: str | None = doc(None, "jsonl task: path of the prompt/answer file.")
     prompt_field: str = doc("prompt", "jsonl task: field holding the prompt.")
     answer_field: str = doc("answer", "jsonl task: field holding the reference answer.")
@@ -51,6 +55,8 @@ class TaskConfig:
             raise ValueError(
                 f"need 1 ≤ min_digits ≤ max_digits, got {self.min_digits}, {self.max_digits}"
             )
+        if not self.tail_exponent > 0:
+            raise ValueError(f"tail_exponent must be > 0, got {self.tail_exponent}")
 
 
 @dataclass

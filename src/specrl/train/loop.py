@@ -332,7 +332,7 @@ class RLTrainer:
         t0 = time.perf_counter()
         counters: dict[str, float] = {}
         stats: dict[str, Any] = {}
-        samples = None
+        samples = results = None
         if self.engine is not None:
             requests = exp.rollout_requests(prompts, self.codec, r, self.recipe.run.seed, step)
             results = self.engine.generate(requests)
@@ -349,6 +349,7 @@ class RLTrainer:
         return {
             "step": step + 1,
             **exp.rollout_metrics(summed, stats, t_rollout),
+            **exp.wave_metrics(results),
             **upd,
             "time_rollout": t_rollout,
             "time_sync": t_sync,
@@ -477,9 +478,10 @@ class RLTrainer:
             if writer is not None:
                 writer.close()
         if self.rank == 0 and tr.plots:
-            from specrl.train.plots import compare_siblings, plot_run
+            from specrl.train.plots import compare_siblings, plot_run, plot_waves
 
             plot_run(self.run_dir)
+            plot_waves(self.run_dir)  # the live batch over a rollout wave, response lengths
             compare_siblings(self.run_dir)  # co-trained vs frozen (vs none) when both exist
 
     def run(self, on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
