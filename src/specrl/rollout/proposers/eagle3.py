@@ -23,7 +23,7 @@ positions (fed its own hidden state, not the target's) are unsure most often.  D
 from a sharper q keeps the chain on the paths the target most likely takes: at s = 0.25
 instead of 1 the toy drafts accept 0.94 / 0.77 / 0.72 / 0.59 → 0.95 / 0.84 / 0.80 / 0.69 at
 chain positions 1–4 (16-layer target) and 0.77 / 0.47 / 0.38 / 0.30 → 0.86 / 0.59 / 0.52 /
-0.40 (4-layer; ``benchmarks/draft_temperature.py``).  A draft calibrated on a high-entropy target
+0.40 (4-layer; docs/benchmarks.md, "Decisions").  A draft calibrated on a high-entropy target
 would lose by it (q = p accepts everything; a sharp q only p's likely tokens), so by default
 (``temperature_scale="auto"``) s is learned: an ε-greedy bandit over :data:`SCALES` whose
 value is each scale's running mean of accepted / drafted tokens, one pick per drafting round
