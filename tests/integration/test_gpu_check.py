@@ -162,3 +162,19 @@ def test_replayed_acceptance_matches_the_profile() -> None:
         assert abs(hit / n - want) <= 4 * sd, (j, hit / n, want, n)
     # every token is still a sample of the uniform target: no id is drafted outside [0, V)
     assert all(0 <= t < cfg.vocab_size for r in res for t in r.tokens)
+
+
+def test_rl_phase_clocks_synchronise_first(monkeypatch) -> None:
+    """The rl_step check's phase timers sync the device before reading the clock."""
+    import gpu_check_rl
+
+    import specrl.train.loop as loop
+    import specrl.train.strategy as strategy
+
+    for module in (loop, strategy):
+        monkeypatch.setattr(module, "time", module.time)  # restored after the test
+    calls = []
+    gpu_check_rl.synced_phase_clocks(lambda: calls.append(1))
+    t0 = loop.time.perf_counter()
+    assert strategy.time.perf_counter() >= t0 and len(calls) == 2
+    assert loop.time.sleep is __import__("time").sleep  # everything else is the time module
