@@ -6,9 +6,8 @@
 
 A GPU machine may be lent for minutes only, starting cold, so this script is prepared to turn
 those minutes into every figure the open targets wait for.  It first makes specrl importable
-from this checkout without a package registry (the installed package, else
-``pip install --no-deps --no-build-isolation --no-index -e .``, else ``PYTHONPATH=src``; wheels
-carried in ``--wheels DIR`` are installed with ``--no-index`` first), then runs the checks in
+from this checkout without a package registry (as installed from it, else ``PYTHONPATH=src``;
+wheels carried in ``--wheels DIR`` are installed with ``--no-index`` first), then runs the checks in
 order, each in its own process with its own time limit:
 
 - ``env``: versions, the device, which optional backends import (``specrl env``'s report);
@@ -169,19 +168,9 @@ def prepare_imports(wheels: Path | None, site: Path) -> dict[str, Any]:
     elif spec is not None:  # another checkout's: this one's sources go first
         paths.append(str(REPO / "src"))
         done["specrl"] = "PYTHONPATH=src (the installed specrl is another checkout's)"
-    else:
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-               "--no-build-isolation", "--no-index", "-e", str(REPO)]  # fmt: skip
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-            ok = proc.returncode == 0
-        except (subprocess.TimeoutExpired, OSError):
-            ok = False
-        if ok:
-            done["specrl"] = "pip install --no-deps --no-build-isolation --no-index -e ."
-        else:
-            paths.append(str(REPO / "src"))
-            done["specrl"] = "PYTHONPATH=src (pip install -e . did not work without a registry)"
+    else:  # not installed: the sources as they are (no registry, nothing to build)
+        paths.append(str(REPO / "src"))
+        done["specrl"] = "PYTHONPATH=src (not installed)"
     env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -280,19 +269,6 @@ def archive(out: Path, dest: Path) -> None:
     os.replace(tmp, dest)
 
 
-def _device_name(env: dict[str, str], device: str) -> str:
-    if device == "cpu":
-        return "cpu"
-    code = "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
-        )
-        return proc.stdout.strip() or "no CUDA device"
-    except subprocess.TimeoutExpired:
-        return "unknown (torch did not answer within 60 s)"
-
-
 def run_all(args: argparse.Namespace) -> int:
     start = time.monotonic()
     out = Path(args.out)
@@ -313,7 +289,7 @@ def run_all(args: argparse.Namespace) -> int:
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "device": args.device,
-        "device_name": _device_name(env, args.device),
+        "device_name": args.device,  # the env check names the device
         "budget_s": args.budget_s,
         "dry_run": args.dry_run,
         "setup": setup["done"],
@@ -332,6 +308,9 @@ def run_all(args: argparse.Namespace) -> int:
                   flush=True)  # fmt: skip
             res = run_child(check, min(cap, left), args, env)
         results[check.name] = res
+        devices = res.get("details", {}).get("devices") if check.name == "env" else None
+        if devices:
+            meta["device_name"] = devices[0]["name"]
         failed |= res["status"] == "failed"
         write_atomic(out / f"{check.name}.md", check_markdown(check.name, res))
         write_atomic(out / f"{check.name}.json", json.dumps(res, indent=2))

@@ -64,6 +64,9 @@ class ReplayProposer(Eagle3Proposer):
     docstring); the draft's own forwards run as usual, so its cost is the real one."""
 
     name = "eagle3_replay"
+    # drafting ahead (specrl.rollout.decoupled) would continue chains at other positions than
+    # the profile's: this proposer stays coupled
+    propose_ahead = None
 
     def __init__(self, draft, ctx: ProposerContext, *, alphas: list[float], max_k: int = 16):
         super().__init__(draft, ctx, max_k=max_k, temperature_scale=1.0)

@@ -101,10 +101,16 @@ def test_archive_holds_the_folder(dry_run) -> None:
 
 
 def test_budget_skips_what_would_not_fit(tmp_path) -> None:
-    out = tmp_path / "out"
-    proc = _run("--out", str(out), "--dry-run", "--budget-s", "1", timeout=120)
+    out, wheels = tmp_path / "out", tmp_path / "wheels"
+    wheels.mkdir()
+    proc = _run("--out", str(out), "--dry-run", "--budget-s", "1", "--wheels", str(wheels))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    checks = json.loads((out / "summary.json").read_text())["checks"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["meta"]["setup"]["wheels"] == {
+        "installed": [],
+        "note": f"no .whl files in {wheels}",
+    }
+    checks = summary["checks"]
     assert [c["name"] for c in checks] == [c.name for c in gpu_check.CHECKS]
     assert all(c["status"] == "skipped" and "skipped: budget" in c["reason"] for c in checks)
 

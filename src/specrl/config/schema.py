@@ -103,6 +103,12 @@ class PolicyConfig:
         "Named shape preset the checkpoint must match (llama-8b, qwen-32b, llama-70b, "
         "dense-122b); checked at load, and lets layouts be validated before the weights exist.",
     )
+    backend: Literal["native", "megatron"] = doc(
+        "native",
+        "Training backend of the policy: specrl's own decoder (DDP / CP / torch pipelining), or "
+        "Megatron-core GPTModel chunks run by Megatron's 1F1B / interleaved schedules (needs "
+        "parallel.pp >= 2 and cp 1; `pip install 'specrl[megatron]'`).",
+    )
 
 
 @dataclass

@@ -64,7 +64,7 @@ from specrl.train.batch import Sample
 from specrl.train.evaluate import evaluate
 from specrl.train.layout import TrainLayout, check_model, check_split, setup_distributed
 from specrl.train.metrics import MetricsWriter
-from specrl.train.parallelize import parallelize_policy
+from specrl.train.parallelize import check_backend, parallelize_policy
 from specrl.train.state_io import (
     optimizer_from_flat,
     optimizer_to_flat,
@@ -97,6 +97,7 @@ class UnitClock:
 def check_recipe(recipe: Recipe, source: str) -> None:
     """One-line errors for checkpoints and drafters a recipe cannot have (before the layout)."""
     check_artifacts(recipe, source)
+    check_backend(recipe)
     spec = recipe.rollout.speculation
     if spec and "eagle3" in spec.proposers and recipe.draft.mode == "none":
         raise ConfigError(
