@@ -171,10 +171,11 @@ class SpeculationConfig:
     max_k: int = doc(4, "Longest draft per verification.")
     gate: bool = doc(True, "Gate speculation by batch size from the online cost model.")
     epsilon: float = doc(0.1, "Bandit exploration rate.")
-    decoupled: bool = doc(
+    decoupled: bool | Literal["auto"] = doc(
         False,
         "Decoupled drafting (embedded engine): a drafter worker drafts the next step while the "
-        "target verifies this one, assuming this step's drafts accepted (lossless either way).",
+        "target verifies this one, assuming this step's drafts accepted (lossless either way); "
+        "auto: per batch size, coupled or decoupled by measured throughput.",
     )
     drafter_timeout: float = doc(
         30.0, "Decoupled drafting: seconds a draft may take before the worker counts as hung."

@@ -64,7 +64,7 @@ from specrl.errors import ConfigError
 from specrl.models.decoder import CacheBatch, Transformer
 from specrl.models.tokenizer import TextCodec
 from specrl.rollout.compiled import Compiled, CompiledDecode
-from specrl.rollout.decoupled import DrafterError, DraftWorker, Lookahead
+from specrl.rollout.decoupled import DrafterError, DraftWorker, Lookahead, ModeChoice
 from specrl.rollout.gating import COST_WINDOW, Arm, SpecController
 from specrl.rollout.metrics import AcceptanceAlarm, Counters
 from specrl.rollout.proposers import Proposer, ProposerContext, SupportsWeights, build_proposer
@@ -101,9 +101,10 @@ class SpecConfig:
     alarm_window: int = 32  # drafts per window of the stale-draft alarm
     alarm_tau: float = 1.05  # τ at or below which a window raises the alarm
     # decoupled drafting (specrl.rollout.decoupled): a worker drafts step t + 1 while the
-    # target verifies step t; its intra-op threads, and how long a draft may take before the
-    # worker counts as hung (the requests in flight then fail)
-    decoupled: bool = False
+    # target verifies step t ("auto": per batch size, coupled or decoupled by measured
+    # throughput); its intra-op threads, and how long a draft may take before the worker
+    # counts as hung (the requests in flight then fail)
+    decoupled: bool | str = False
     drafter_threads: int | None = 1
     drafter_timeout: float = 30.0
 
@@ -261,6 +262,11 @@ class RolloutEngine:
             raise ConfigError(f"speculation settings: {e}") from None
         self.alarm = AcceptanceAlarm(spec.alarm_window, spec.alarm_tau)
         self.lookahead: Lookahead | None = None
+        self.mode_choice: ModeChoice | None = None
+        if spec.decoupled not in (False, True, "auto"):
+            raise ConfigError(f"decoupled must be true, false or 'auto', got {spec.decoupled!r}")
+        if spec.decoupled == "auto" and self.proposers:
+            self.mode_choice = ModeChoice(spec.epsilon, seed)
         if spec.decoupled and self.proposers:
             try:
                 worker = DraftWorker(
@@ -428,9 +434,11 @@ class RolloutEngine:
         decode = self._plan_decode(decoding) if decoding else None  # proposers run (timed) here
         prefill = self._plan_prefill(admitted) if admitted else None
         launches = [launch for launch in (prefill, decode) if launch is not None]
+        mode: str | None = None  # the decode step's drafting mode (specrl.rollout.decoupled)
         if decode is not None:  # host→device inputs before any forward is queued
             self._prepare(decode)
-            if self.lookahead is not None:  # step t + 1's drafts, beside this verification
+            mode = self._mode(decode)
+            if mode == "decoupled":  # step t + 1's drafts, beside this verification
                 self._launch_ahead(decode)
         if prefill is not None:
             start = self._stopwatch.mark()
@@ -481,6 +489,9 @@ class RolloutEngine:
             padded = len(decode.seqs) * max(decode.num_rows)
             tokens = sum(decode.num_rows)
             self.controller.record_step(tokens, padded, target, len(decode.seqs))
+            if self.mode_choice is not None and mode is not None and timed:
+                emitted = sum(n + 1 for n in host[-1]["num_accepted"])
+                self.mode_choice.record(len(decode.seqs), mode, emitted, seconds)
             self._learn(decode, host[-1], timed)
         return finished
 
@@ -595,6 +606,14 @@ class RolloutEngine:
             else:
                 drafts[b] = self._checked(name, ahead, caps[b])
         return rest
+
+    def _mode(self, decode: _Launch) -> str | None:
+        """This speculative step's drafting mode, None for a plain step (or no worker)."""
+        if self.lookahead is None or all(arm is None for arm in decode.arms):
+            return None
+        if self.mode_choice is None:
+            return "decoupled"
+        return self.mode_choice.choose(len(decode.seqs))
 
     def _launch_ahead(self, decode: _Launch) -> None:
         """Hand the worker this step's sequences with their drafts assumed accepted; each asks
@@ -1156,7 +1175,12 @@ class RolloutEngine:
             "gating": self.controller.to_dict(),
             "alarm_tau": dict(self.alarm.last),
             "alarm_armed": self.alarm.armed,
-            "decoupled": self.lookahead.to_dict() if self.lookahead is not None else None,
+            "decoupled": None
+            if self.lookahead is None
+            else {
+                **self.lookahead.to_dict(),
+                "modes": self.mode_choice.to_dict() if self.mode_choice is not None else None,
+            },
         }
 
     # ---------------------------------------------------------------------- resumable state
