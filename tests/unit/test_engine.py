@@ -18,6 +18,7 @@ import pytest
 import torch
 from scipy import stats
 
+from specrl.config.loader import from_dict
 from specrl.core.attention import PackedLayout
 from specrl.errors import CheckpointError, ConfigError
 from specrl.models.decoder import Transformer
@@ -195,7 +196,9 @@ def test_speculative_greedy_matches_reference(slots, proposers, gate):
 
 def test_group_samples_share_one_prefill():
     model = tiny()
-    engine = make_engine(model, max_batch_size=8, spec=SpecConfig(max_k=3, gate=False))
+    engine = make_engine(
+        model, max_batch_size=8, spec=SpecConfig(proposers=["ngram"], max_k=3, gate=False)
+    )
     out = engine.generate([Request(PROMPTS[0], greedy(n=3)), Request(PROMPTS[1], greedy(n=2))])
     ref = generate(model, PROMPTS[:2], 24)
     assert [(r.request_id, r.index) for r in out] == [
@@ -317,7 +320,7 @@ def test_stop_token_ends_the_sample_and_is_kept():
     free = run(make_engine(model), PROMPTS[:1], greedy(24))[0].tokens
     stop = free[5]
     cut = free.index(stop) + 1
-    engine = make_engine(model, spec=SpecConfig(max_k=4, gate=False))
+    engine = make_engine(model, spec=SpecConfig(proposers=["ngram"], max_k=4, gate=False))
     out = run(engine, PROMPTS[:1], greedy(24, stop_token_ids=(stop,)))[0]
     assert out.tokens == free[:cut]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
@@ -336,7 +339,7 @@ def test_eos_and_stop_strings_with_a_codec():
     )[0]
     assert len(free.text) >= 8
     needle = free.text[4:6]
-    spec = SpecConfig(max_k=4, gate=False)
+    spec = SpecConfig(proposers=["ngram"], max_k=4, gate=False)
     out = make_engine(model, codec=codec, eos_token_ids=[], spec=spec).generate(
         [Request(prompt, greedy(20, stop=(needle,)))]
     )[0]
@@ -397,7 +400,9 @@ def test_ngram_drafts_from_own_context_siblings_and_history():
 
 def test_ngram_history_raises_acceptance_on_a_repeated_prompt():
     model = tiny(seed=4)
-    engine = make_engine(model, max_batch_size=2, spec=SpecConfig(max_k=4, gate=False))
+    engine = make_engine(
+        model, max_batch_size=2, spec=SpecConfig(proposers=["ngram"], max_k=4, gate=False)
+    )
     first = run(engine, PROMPTS[3:4], greedy(24))
     tau_first = engine.stats()["spec"]["tau"]
     again = run(engine, PROMPTS[3:4], greedy(24))
@@ -410,7 +415,7 @@ def test_ngram_history_raises_acceptance_on_a_repeated_prompt():
 # ------------------------------------------------------------------------- weights, alarm, stats
 def test_update_weights_switches_the_policy_and_reports_versions():
     model, other = tiny(seed=0), tiny(seed=9)
-    engine = make_engine(model, max_batch_size=2, spec=SpecConfig(max_k=2))
+    engine = make_engine(model, max_batch_size=2, spec=SpecConfig(proposers=["ngram"], max_k=2))
     engine.update_weights(policy=other.state_dict(), version=7)
     out = run(engine, PROMPTS[:3], greedy(10))
     assert [r.tokens for r in out] == generate(other, PROMPTS[:3], 10)
@@ -481,9 +486,9 @@ def test_bad_requests_and_registry_errors():
         make_engine(tiny(), spec=SpecConfig(proposers=("nope",)))
     with pytest.raises(ConfigError, match="bad options"):
         build_proposer("test-garbage", None, colour="red")  # type: ignore[arg-type]
-    for spec in (SpecConfig(max_k=0), SpecConfig(max_k=4, draft_lengths=(2, 5))):
-        with pytest.raises(ConfigError, match=r"max k must|draft_lengths must"):
-            make_engine(tiny(), spec=spec)
+    for bad in ({"max_k": 0}, {"max_k": 4, "draft_lengths": [2, 5]}):  # a recipe's one-line error
+        with pytest.raises(ConfigError, match=r"max_k must|draft_lengths must"):
+            from_dict(SpecConfig, {"proposers": ["ngram"], **bad}, prefix="rollout.speculation")
     engine = make_engine(tiny(), spec=SpecConfig(("ngram",), max_k=8, draft_lengths=(8, 2, 2)))
     assert [arm.k for arm in engine.controller.arms] == [2, 8]
     with pytest.raises(ValueError, match="already registered"):
@@ -493,7 +498,7 @@ def test_bad_requests_and_registry_errors():
 def test_continuous_batching_reuses_slots_under_load():
     model = tiny()
     prompts = [list(p) for p in itertools.islice(itertools.cycle(PROMPTS), 11)]
-    engine = make_engine(model, max_batch_size=3, spec=SpecConfig(max_k=2))
+    engine = make_engine(model, max_batch_size=3, spec=SpecConfig(proposers=["ngram"], max_k=2))
     lengths = [SamplingParams(max_tokens=m, temperature=0) for m in (3, 9, 17)]
     reqs = [Request(p, lengths[i % 3], request_id=str(i)) for i, p in enumerate(prompts)]
     engine.add_requests(reqs)

@@ -31,9 +31,12 @@ def _draft(policy: Transformer) -> Eagle3Draft:
 
 
 def test_every_speculation_field_reaches_the_engine():
-    speculation = SpeculationConfig(proposers=["ngram"], max_k=3, gate=False, epsilon=0.3)
-    spec = spec_config(speculation)
-    assert (spec.proposers, spec.max_k, spec.gate, spec.epsilon) == (("ngram",), 3, False, 0.3)
+    speculation = SpeculationConfig(
+        proposers=["ngram"], max_k=3, gate=False, epsilon=0.3, k_by_batch_size={1: 2, 8: 0}
+    )
+    engine = build_engine(RolloutConfig(speculation=speculation), _policy())
+    assert engine.spec == speculation  # the recipe's section itself: no field left behind
+    assert engine.controller.config == speculation
     assert spec_config(None) is None and spec_config(SpeculationConfig(proposers=[])) is None
 
 

@@ -48,6 +48,7 @@ the K/V computed by the old weights (``Result.policy_versions`` says which versi
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from collections import Counter, deque
@@ -57,12 +58,13 @@ from typing import Any
 
 import torch
 
+from specrl.config.schema import SpeculationConfig
 from specrl.core.attention import PackedLayout
 from specrl.errors import CheckpointError, ConfigError
 from specrl.models.decoder import CacheBatch, Transformer
 from specrl.models.tokenizer import TextCodec
 from specrl.rollout.compiled import Compiled, CompiledDecode
-from specrl.rollout.gating import COST_WINDOW, Arm, SpecController
+from specrl.rollout.gating import Arm, SpecController
 from specrl.rollout.metrics import AcceptanceAlarm, Counters
 from specrl.rollout.proposers import Proposer, ProposerContext, SupportsWeights, build_proposer
 from specrl.rollout.sampling import (
@@ -76,24 +78,11 @@ from specrl.rollout.verify import decide, decide_greedy, decide_plain
 
 __all__ = ["Request", "Result", "Results", "RolloutEngine", "SpecConfig"]
 
+log = logging.getLogger("specrl.rollout")
 
-@dataclass
-class SpecConfig:
-    """Speculation settings of an engine (``RolloutEngine(spec=None)`` decodes plainly)."""
 
-    proposers: tuple[str, ...] = ("ngram",)  # registry names; the bandit chooses among them
-    max_k: int = 4  # longest draft; the bandit chooses k in 1 … max_k
-    draft_lengths: tuple[int, ...] | None = None  # the k it may choose (None: all of 1 … max_k)
-    proposer_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    gate: bool = True  # batch-size gate from the online cost model (False: always speculate)
-    epsilon: float = 0.1  # bandit exploration rate
-    hysteresis: float = 0.1  # gate: off below expected speedup 1, on again above 1 + h
-    probe: float = 0.05  # while the gate is off, ~1 step in 1/probe speculates anyway
-    # most timing samples per window of the cost fits (the default exceeds COST_MAX_AGE: age
-    # bounds them, so plain and speculative steps are averaged over the same steps)
-    cost_window: int = COST_WINDOW
-    alarm_window: int = 32  # drafts per window of the stale-draft alarm
-    alarm_tau: float = 1.05  # τ at or below which a window raises the alarm
+# the recipe's speculation section is the engine's settings, passed straight through
+SpecConfig = SpeculationConfig
 
 
 @dataclass
@@ -215,9 +204,7 @@ class RolloutEngine:
                 eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
             )
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.spec = spec = spec if spec is not None else SpecConfig(proposers=())
-        if spec.max_k < 1:
-            raise ConfigError(f"max k must be ≥ 1, got {spec.max_k}")
+        self.spec = spec = spec if spec is not None else SpecConfig(proposers=[])
         self._compiled = CompiledDecode(model) if compile else None
         # verification and logprobs (the processed p comes in: its flags follow the requests'
         # sampling parameters and would multiply the graph classes)
@@ -233,20 +220,9 @@ class RolloutEngine:
             for name in spec.proposers
         }
         self.tap_layers = tuple(sorted({t for p in self.proposers.values() for t in p.tap_layers}))
-        try:
-            self.controller = SpecController(
-                list(self.proposers),
-                spec.max_k,
-                ks=spec.draft_lengths,
-                epsilon=spec.epsilon,
-                hysteresis=spec.hysteresis,
-                probe=spec.probe,
-                cost_window=spec.cost_window,
-                gate=spec.gate,
-                seed=seed,
-            )
-        except ValueError as e:  # a SpecConfig field out of range (the message names it)
-            raise ConfigError(f"speculation settings: {e}") from None
+        self.controller = SpecController(
+            spec, list(self.proposers), seed=seed, padded=self._compiled is not None
+        )
         self.alarm = AcceptanceAlarm(spec.alarm_window, spec.alarm_tau)
         self.policy_version = 0
         self.draft_version = 0
@@ -407,9 +383,9 @@ class RolloutEngine:
                 target = seconds - sum(call[3] for call in decode.draft_calls)
                 if prefill is not None:
                     target -= self._stopwatch.seconds(start, stop)
-            padded = len(decode.seqs) * max(decode.num_rows)
             tokens = sum(decode.num_rows)
-            self.controller.record_step(tokens, padded, target, len(decode.seqs))
+            rows = len(decode.seqs) * max(decode.num_rows) if decode.tensors["padded"] else tokens
+            self.controller.record_step(rows, target, tokens > len(decode.seqs))
             self._learn(decode, host[-1], timed)
         return finished
 
@@ -465,17 +441,17 @@ class RolloutEngine:
         )
 
     def _plan_decode(self, seqs: list[SeqState]) -> _Launch:
-        arms = self.controller.plan(
-            len(seqs), lambda: self._backlog(seqs), lambda: self._remaining(seqs)
-        )
+        arms = self.controller.plan(len(seqs))
         drafts = [Draft([]) for _ in seqs]
         caps = [0] * len(seqs)
         draft_calls = []
         if arms is not None:
             for c in self._counting():
-                c.selections.update(str(arm) for arm in arms)
+                c.selections.update(str(arm) for arm in arms if arm is not None)
             asked: dict[str, list[int]] = {}
             for b, (seq, arm) in enumerate(zip(seqs, arms, strict=True)):
+                if arm is None:
+                    continue
                 # never draft past max_tokens: k + 1 tokens can be emitted
                 caps[b] = min(arm.k, seq.params.max_tokens - seq.num_output - 1)
                 asked.setdefault(arm.proposer, []).append(b)
@@ -516,11 +492,6 @@ class RolloutEngine:
             if count is not None and (only is None or name == only):
                 out[name] = count(seqs)
         return out
-
-    def _remaining(self, seqs: list[SeqState]) -> float:
-        """Expected tokens the running ``seqs`` still generate (the gate's horizon)."""
-        lengths = self.controller.lengths
-        return sum(lengths.expected_remaining(s.num_output, s.params.max_tokens) for s in seqs)
 
     def _checked(self, name: str, draft: Draft, cap: int) -> Draft:
         """A proposer's draft cut to ``cap`` tokens, with its ids and q shape validated."""
@@ -880,7 +851,6 @@ class RolloutEngine:
 
     def _finish(self, seq: SeqState) -> Result:
         self._running.remove(seq)
-        self.controller.record_finished(seq.num_output)
         self._free_slots.append(seq.slot)
         for p in self.proposers.values():
             p.release(seq)
@@ -911,8 +881,8 @@ class RolloutEngine:
     def _learn(self, launch: _Launch, host: dict[str, list], timed: bool = True) -> None:
         """Feed the drafting cost models (``timed``: the step's times are samples), then the
         acceptance estimates: one verification per sequence that was allowed to draft."""
-        for call in launch.draft_calls if timed else ():
-            self.controller.record_draft(*call)
+        for name, tokens, _, seconds, queued in launch.draft_calls if timed else ():
+            self.controller.record_draft(name, tokens, seconds, queued)
         for b, arm in enumerate(launch.arms):
             if arm is None or launch.caps[b] <= 0:
                 continue
@@ -932,25 +902,21 @@ class RolloutEngine:
             return 0
         before = self.compiled_graphs or 0
         state = self.state_dict()
-        gating = self.controller.gating
         stop = self.eos_token_ids
         ids = [t for t in range(self.vocab_size) if t not in stop][:3]
         prompt = (ids * 3)[:8]  # repeats, so n-gram drafters find matches
         max_tokens = min(8, self.max_model_len - len(prompt) - 1)
         if max_tokens < 2 or len(ids) < 2:
             return 0
-        bandit = self.controller.bandit
         try:
             for n, temperature in itertools.product((1, 2), (0.0, 1.0)):
                 params = SamplingParams(max_tokens=max_tokens, temperature=temperature, n=n)
-                # speculating steps (gate off) where there are proposers, then plain ones (no
-                # bandit: every step plain), whose M = 1 the speculating run may never reach
-                for spec in (True, False) if bandit is not None else (False,):
-                    self.controller.gating = not spec
-                    self.controller.bandit = bandit if spec else None
+                # speculating steps (M > 1) where there are proposers, then plain ones (M = 1)
+                for speculate in (True, False) if self.proposers else (False,):
+                    self.controller.force(speculate)
                     self.generate([Request(prompt, params)])
         finally:
-            self.controller.gating, self.controller.bandit = gating, bandit
+            self.controller.force(None)
             self.load_state_dict(state)
         return (self.compiled_graphs or 0) - before
 
@@ -1048,7 +1014,6 @@ class RolloutEngine:
 
     # ---------------------------------------------------------------------- resumable state
     _STATE_ATTRS = (
-        "controller",
         "alarm",
         "_rng",
         "policy_version",
@@ -1066,6 +1031,7 @@ class RolloutEngine:
         if self.has_unfinished():
             raise RuntimeError("state_dict() needs an idle engine")
         state = {name: snapshot(getattr(self, name)) for name in self._STATE_ATTRS}
+        state["controller"] = self.controller.state_dict()
         state["proposer_state"] = {
             name: {a: snapshot(getattr(p, a)) for a in getattr(p, "state_attrs", ())}
             for name, p in self.proposers.items()
@@ -1077,6 +1043,10 @@ class RolloutEngine:
 
         for name in self._STATE_ATTRS:
             setattr(self, name, restore(state[name], getattr(self, name)))
+        if "__obj__" in state["controller"]:  # saved before the policy had its own state_dict
+            log.warning("engine state predates this speculation policy: it starts fresh")
+        else:
+            self.controller.load_state_dict(state["controller"])
         for name, attrs in state.get("proposer_state", {}).items():
             p = self.proposers.get(name)
             if p is None:

@@ -50,8 +50,8 @@ from specrl.errors import CheckpointError, ConfigError
 from specrl.models.decoder import CacheBatch
 from specrl.models.draft import Eagle3Draft
 from specrl.models.draft_io import check_compatible, load_draft
+from specrl.rollout.bandit import MEMORY, EpsilonGreedy, RunningMean
 from specrl.rollout.compiled import Compiled
-from specrl.rollout.gating import ARM_MEMORY, EpsilonGreedy, RunningMean
 from specrl.rollout.proposers import Draft, ProposerContext, SeqState, register_proposer
 
 
@@ -90,10 +90,10 @@ SCALES = (1.0, 0.5, 0.25, 0.1)
 class TemperatureScale:
     """The draft temperature scale s of each drafting round: fixed, or learned ("auto").
 
-    Learned: an ε-greedy bandit (:class:`specrl.rollout.gating.EpsilonGreedy`: each scale first
+    Learned: an ε-greedy bandit (:class:`specrl.rollout.bandit.EpsilonGreedy`: each scale first
     gets ``min_samples`` rounds, then exploration whose expected cost is bounded) over
     :data:`SCALES`, valued by each scale's running mean of accepted / drafted tokens over the
-    sampled drafts verified under it (an EMA after :data:`ARM_MEMORY` drafts: the policy and
+    sampled drafts verified under it (an EMA after :data:`MEMORY` drafts: the policy and
     the draft drift).  The chain length k is chosen by the engine independently of s, so the
     scales' means compare like with like.
     """
@@ -109,7 +109,7 @@ class TemperatureScale:
                 hint="temperature_scale: auto (learned), 1 (the draft's own q), or e.g. 0.25",
             )
         self.bandit = EpsilonGreedy(SCALES, epsilon, seed)  # type: ignore[arg-type]
-        self.acceptance = {s: RunningMean(1.0 / ARM_MEMORY) for s in SCALES}
+        self.acceptance = {s: RunningMean(1.0 / MEMORY) for s in SCALES}
         self.chosen = {s: 0 for s in SCALES}  # learned: rounds that drafted sampled tokens
 
     def pick(self) -> float:
