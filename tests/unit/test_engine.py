@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import logging
 import random
 
@@ -25,7 +26,7 @@ from specrl.models.decoder import Transformer
 from specrl.models.generate import generate
 from specrl.models.presets import preset_config
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
-from specrl.rollout.proposers import Draft, build_proposer, register_proposer
+from specrl.rollout.proposers import Draft, ProposerBase, build_proposer, register_proposer
 from specrl.rollout.proposers.ngram import NgramProposer
 from specrl.rollout.sampling import RowParams, sampling_probs
 
@@ -38,7 +39,7 @@ def tiny(seed: int = 0, vocab: int = 32) -> Transformer:
 
 
 # ------------------------------------------------------------------------- test proposers
-class Garbage:
+class Garbage(ProposerBase):
     """Uniformly random one-hot drafts: almost always rejected."""
 
     name = "test-garbage"
@@ -589,3 +590,57 @@ def test_generate_returns_the_calls_own_speculation_statistics():
     for key in ("tokens", "target_forwards", "steps"):
         assert total[key] == sum(out.stats[key] for out in calls)
     assert total["spec"]["accepted"] == sum(out.stats["spec"]["accepted"] for out in calls)
+
+
+# ------------------------------------------------------------------------- resumable state
+def _sampled_round(engine: RolloutEngine, seed: int) -> list:
+    params = SamplingParams(max_tokens=12, temperature=1.0, n=2)
+    out = engine.generate([Request(p, params) for p in PROMPTS[seed % 3 : seed % 3 + 3]])
+    return [r.tokens for r in out]
+
+
+def test_engine_state_through_json_replays_the_run_exactly():
+    """Resume identity: an engine rebuilt from a JSON'd state (policy, counters, n-gram history,
+    sampling seeds) decodes what the original goes on to decode, token for token."""
+    model = tiny(seed=2)
+    spec = SpecConfig(proposers=["ngram"], max_k=3)
+    first = make_engine(model, max_batch_size=3, spec=spec, seed=9)
+    for r in range(3):
+        _sampled_round(first, r)
+    state = json.loads(json.dumps(first.state_dict()))
+    second = make_engine(model, max_batch_size=3, spec=spec, seed=123)
+    second.load_state_dict(state)
+    second.clock.now = first.clock.now  # the clock is the caller's: the same timings
+    for r in range(3, 6):
+        assert _sampled_round(first, r) == _sampled_round(second, r)
+    assert first.state_dict() == second.state_dict()
+    assert state["proposers"]["ngram"]["history"]  # the history travelled with it
+
+
+def test_engine_state_of_the_older_format_keeps_versions_and_seed(caplog):
+    engine = make_engine(tiny(), spec=SpecConfig(proposers=["ngram"], max_k=2), seed=1)
+    rng = random.Random(5)
+    version, internal, gauss = rng.getstate()
+    legacy = {
+        "controller": {"__obj__": "specrl.rollout.gating.SpecController", "attrs": {}},
+        "_rng": {"__random__": [version, list(internal), gauss]},
+        "policy_version": 4,
+        "draft_version": 2,
+        "_next_seq": 10,
+        "_next_request": 5,
+    }
+    with caplog.at_level(logging.WARNING, logger="specrl.rollout"):
+        engine.load_state_dict(legacy)
+    assert (engine.policy_version, engine.draft_version) == (4, 2)
+    assert "older format" in caplog.text
+    assert engine.add_requests([Request([1], greedy(2))]) == ["req-5"]
+    with pytest.raises(CheckpointError, match="no format"):
+        engine.load_state_dict({"controller": {}})
+
+
+def test_saved_state_with_an_unknown_proposer_is_refused():
+    saved = make_engine(tiny(), spec=SpecConfig(proposers=["ngram", "test-garbage"], max_k=2))
+    state = saved.state_dict()
+    engine = make_engine(tiny(), spec=SpecConfig(proposers=["ngram"], max_k=2))
+    with pytest.raises(ConfigError, match="test-garbage"):
+        engine.load_state_dict(state)

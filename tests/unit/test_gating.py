@@ -21,7 +21,7 @@ from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 from specrl.rollout.bandit import EpsilonGreedy, RunningMean
 from specrl.rollout.estimates import ChainAcceptance, CostCurve
 from specrl.rollout.gating import Arm, SpecController, SpeculationGate
-from specrl.rollout.proposers import Draft, register_proposer
+from specrl.rollout.proposers import Draft, ProposerBase, register_proposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -307,7 +307,7 @@ class VirtualClock:
         self.now += self.a + self.b * args[0].numel()
 
 
-class Oracle:
+class Oracle(ProposerBase):
     """Drafts the target's own greedy continuation (a perfect draft under greedy decoding)."""
 
     name = "test-gating-oracle"

@@ -18,7 +18,7 @@
 
 Timing (for the gate): the injected ``clock`` times each step and each ``propose`` call, and the
 prefill forward (CUDA events on a GPU, read after the step's sync, so timing adds no sync); the
-cost model sees the target's decode share only.  The single host sync per step is the engine's;
+gate's cost curves see the target's decode share only.  The single host sync per step is the engine's;
 a proposer that reads device values while drafting (eagle3 picks its tokens on the host) adds
 its own.
 
@@ -398,9 +398,7 @@ class RolloutEngine:
         if movers:
             moves = list(zip(movers, holes, strict=True))
             for p in self.proposers.values():
-                move = getattr(p, "move", None)
-                if move is not None:
-                    move(moves)
+                p.move(moves)
             rows = max(s.kv_len for s in movers)
             self.cache.copy_slots([s.slot for s in movers], holes, rows)
             for seq, slot in moves:
@@ -459,7 +457,7 @@ class RolloutEngine:
                 if not any(caps[b] for b in idx):
                     continue
                 batch = [seqs[b] for b in idx]
-                queued = self._backlog(batch, name).get(name, 0)
+                queued = self.proposers[name].backlog(batch)
                 t0 = self.clock()
                 got = self.proposers[name].propose(batch, [caps[b] for b in idx])
                 spent = self.clock() - t0
@@ -483,15 +481,6 @@ class RolloutEngine:
             num_rows=[len(d.tokens) + 1 for d in drafts],
             draft_calls=draft_calls,
         )
-
-    def _backlog(self, seqs: list[SeqState], only: str | None = None) -> dict[str, int]:
-        """Positions each proposer (with a ``backlog`` method) has queued for ``seqs``."""
-        out = {}
-        for name, p in self.proposers.items():
-            count = getattr(p, "backlog", None)
-            if count is not None and (only is None or name == only):
-                out[name] = count(seqs)
-        return out
 
     def _checked(self, name: str, draft: Draft, cap: int) -> Draft:
         """A proposer's draft cut to ``cap`` tokens, with its ids and q shape validated."""
@@ -926,7 +915,7 @@ class RolloutEngine:
         """Graphs compiled so far for the decode steps and the proposers (None: eager)."""
         if self._compiled is None:
             return None
-        extra = sum(getattr(p, "compiled_graphs", 0) for p in self.proposers.values())
+        extra = sum(p.compiled_graphs for p in self.proposers.values())
         return self._compiled.graphs + self._compiled_decide.graphs + extra  # type: ignore[union-attr]
 
     @property
@@ -1002,57 +991,72 @@ class RolloutEngine:
             "running": len(self._running),
             "waiting": len(self._waiting),
             # a proposer's own state (EAGLE-3: its draft temperature scale), where it has any
-            "drafters": {
-                name: p.stats()
-                for name, p in self.proposers.items()
-                if callable(getattr(p, "stats", None))
-            },
+            "drafters": {name: stats for name, p in self.proposers.items() if (stats := p.stats())},
             "gating": self.controller.to_dict(),
             "alarm_tau": dict(self.alarm.last),
             "alarm_armed": self.alarm.armed,
         }
 
     # ---------------------------------------------------------------------- resumable state
-    _STATE_ATTRS = (
-        "alarm",
-        "_rng",
-        "policy_version",
-        "draft_version",
-        "_next_seq",
-        "_next_request",
-        "_total",
-    )
+    STATE_FORMAT = 2  # 1: the reflective snapshots of specrl < 0.2 (no "format" key)
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able decision state (bandit, gate, cost model, alarm, counters, proposer
-        histories) so a resumed run replays speculation exactly.  Needs an idle engine."""
-        from specrl.rollout.state import snapshot
-
+        """JSON-able decision state (speculation policy, alarm, counters, sampling seeds,
+        proposers' own) so a resumed run replays speculation exactly.  Needs an idle engine."""
         if self.has_unfinished():
             raise RuntimeError("state_dict() needs an idle engine")
-        state = {name: snapshot(getattr(self, name)) for name in self._STATE_ATTRS}
-        state["controller"] = self.controller.state_dict()
-        state["proposer_state"] = {
-            name: {a: snapshot(getattr(p, a)) for a in getattr(p, "state_attrs", ())}
-            for name, p in self.proposers.items()
+        version, internal, gauss = self._rng.getstate()
+        return {
+            "format": self.STATE_FORMAT,
+            "policy_version": self.policy_version,
+            "draft_version": self.draft_version,
+            "next_seq": self._next_seq,
+            "next_request": self._next_request,
+            "rng": [version, list(internal), gauss],
+            "controller": self.controller.state_dict(),
+            "alarm": self.alarm.state_dict(),
+            "counters": self._total.state_dict(),
+            "proposers": {name: p.state_dict() for name, p in self.proposers.items()},
         }
-        return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from specrl.rollout.state import restore
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output.  A state of the older reflective format keeps
+        its versions, request counters and sampling seed; the speculation policy, alarm, counters
+        and proposer histories then start fresh (one warning)."""
+        if "format" not in state:
+            self._load_legacy_state(state)
+            return
+        unknown = sorted(set(state["proposers"]) - set(self.proposers))
+        if unknown:
+            raise ConfigError(
+                f"saved engine state has proposer {unknown[0]!r}, which this engine lacks",
+                hint="resume with the recipe the run was started with",
+            )
+        self.policy_version, self.draft_version = state["policy_version"], state["draft_version"]
+        self._next_seq, self._next_request = state["next_seq"], state["next_request"]
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        self.controller.load_state_dict(state["controller"])
+        self.alarm.load_state_dict(state["alarm"])
+        self._total.load_state_dict(state["counters"])
+        for name, saved in state["proposers"].items():
+            self.proposers[name].load_state_dict(saved)
 
-        for name in self._STATE_ATTRS:
-            setattr(self, name, restore(state[name], getattr(self, name)))
-        if "__obj__" in state["controller"]:  # saved before the policy had its own state_dict
-            log.warning("engine state predates this speculation policy: it starts fresh")
-        else:
-            self.controller.load_state_dict(state["controller"])
-        for name, attrs in state.get("proposer_state", {}).items():
-            p = self.proposers.get(name)
-            if p is None:
-                raise ConfigError(
-                    f"saved engine state has proposer {name!r}, which this engine lacks",
-                    hint="resume with the recipe the run was started with",
-                )
-            for a, v in attrs.items():
-                setattr(p, a, restore(v, getattr(p, a)))
+    def _load_legacy_state(self, state: Mapping[str, Any]) -> None:
+        try:
+            version, internal, gauss = state["_rng"]["__random__"]
+            self._rng.setstate((version, tuple(internal), gauss))
+            self.policy_version, self.draft_version = (
+                state["policy_version"],
+                state["draft_version"],
+            )
+            self._next_seq, self._next_request = state["_next_seq"], state["_next_request"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(
+                "saved engine state is in no format this specrl reads",
+                hint="resume with the specrl version that wrote it",
+            ) from None
+        log.warning(
+            "engine state in the older format: versions and sampling seed restored; the "
+            "speculation policy, alarm, counters and proposer histories start fresh"
+        )

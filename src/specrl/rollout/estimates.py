@@ -54,7 +54,11 @@ class ChainAcceptance:
         return tau, fed
 
     def state_dict(self) -> dict[str, Any]:
-        return {"counts": self.counts, "accepted": self.accepted, "drafted": self.drafted}
+        return {
+            "counts": list(self.counts),
+            "accepted": list(self.accepted),
+            "drafted": list(self.drafted),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         n = len(self.counts)  # a state saved with another max_k keeps the positions both have

@@ -126,6 +126,7 @@ class SpecController:
         self.defers = dict.fromkeys(proposers, False)  # proposer has queued positions to catch up
         self._spacing = 1.0 / config.probe if config.probe > 0 else math.inf
         self._forced: bool | None = None
+        self._last_batch = 1
         self.counts = {"spec_steps": 0, "plain_steps": 0, "probe_steps": 0, "since_probe": 0}
         self.selections = {str(a): 0 for a in self.arms}
 
@@ -137,6 +138,7 @@ class SpecController:
     def plan(self, batch_size: int) -> list[Arm | None] | None:
         """The arm of every sequence of a decode step (None: that one does not draft), or None
         for a plain step."""
+        self._last_batch = batch_size
         if not self.arms or self._forced is False:
             return self._plain()
         if self._table:
@@ -150,6 +152,7 @@ class SpecController:
         if not self.target[False].observations:
             return self._plain()  # a plain step first: the baseline
         if not self.target[True].observations:
+            self.counts["probe_steps"] += 1
             return self._probe(batch_size, whole=False)
         rates = self._rates(batch_size)
         on = self.gate.decide(batch_size, self._speedup(batch_size, rates))
@@ -246,6 +249,7 @@ class SpecController:
     def to_dict(self) -> dict[str, Any]:
         on = sorted(b for b, state in self.gate.states.items() if state)
         return {
+            "gate_on": self.gate.state(self._last_batch) if self.config.gate else True,
             "gate_on_batch_sizes": on,
             "gate_switches": self.gate.switches,
             **{k: v for k, v in self.counts.items() if k != "since_probe"},

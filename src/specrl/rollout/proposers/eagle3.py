@@ -23,7 +23,7 @@ positions (fed its own hidden state, not the target's) are unsure most often.  D
 from a sharper q keeps the chain on the paths the target most likely takes: at s = 0.25
 instead of 1 the toy drafts accept 0.94 / 0.77 / 0.72 / 0.59 → 0.95 / 0.84 / 0.80 / 0.69 at
 chain positions 1–4 (16-layer target) and 0.77 / 0.47 / 0.38 / 0.30 → 0.86 / 0.59 / 0.52 /
-0.40 (4-layer; ``benchmarks/draft_temperature.py``).  A draft calibrated on a high-entropy target
+0.40 (4-layer; docs/benchmarks.md).  A draft calibrated on a high-entropy target
 would lose by it (q = p accepts everything; a sharp q only p's likely tokens), so by default
 (``temperature_scale="auto"``) s is learned: an ε-greedy bandit over :data:`SCALES` whose
 value is each scale's running mean of accepted / drafted tokens, one pick per drafting round
@@ -52,7 +52,13 @@ from specrl.models.draft import Eagle3Draft
 from specrl.models.draft_io import check_compatible, load_draft
 from specrl.rollout.bandit import MEMORY, EpsilonGreedy, RunningMean
 from specrl.rollout.compiled import Compiled
-from specrl.rollout.proposers import Draft, ProposerContext, SeqState, register_proposer
+from specrl.rollout.proposers import (
+    Draft,
+    ProposerBase,
+    ProposerContext,
+    SeqState,
+    register_proposer,
+)
 
 
 class _StepTaps:
@@ -130,6 +136,19 @@ class TemperatureScale:
         if mean is not None:
             mean.add(accepted / drafted)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "bandit": self.bandit.state_dict(),
+            "scales": [[s, m.state_dict(), self.chosen[s]] for s, m in self.acceptance.items()],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.bandit.load_state_dict(state["bandit"])
+        for scale, mean, chosen in state["scales"]:
+            if float(scale) in self.acceptance:
+                self.acceptance[float(scale)].load_state_dict(mean)
+                self.chosen[float(scale)] = int(chosen)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "mode": "auto" if self.fixed is None else "fixed",
@@ -140,9 +159,8 @@ class TemperatureScale:
         }
 
 
-class Eagle3Proposer:
+class Eagle3Proposer(ProposerBase):
     name = "eagle3"
-    state_attrs = ("temperature_scale",)  # persisted by RolloutEngine.state_dict
 
     def __init__(
         self,
@@ -179,6 +197,12 @@ class Eagle3Proposer:
     def stats(self) -> dict[str, Any]:
         """The draft temperature scale: mode, and per scale its rounds, drafts, acceptance."""
         return {"temperature_scale": self.temperature_scale.to_dict()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"temperature_scale": self.temperature_scale.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.temperature_scale.load_state_dict(state["temperature_scale"])
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self, seq: SeqState) -> None:
