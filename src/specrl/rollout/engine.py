@@ -18,9 +18,9 @@
 
 Timing (for the gate): the injected ``clock`` times each step and each ``propose`` call, and the
 prefill forward (CUDA events on a GPU, read after the step's sync, so timing adds no sync); the
-gate's cost curves see the target's decode share only.  The single host sync per step is the engine's;
-a proposer that reads device values while drafting (eagle3 picks its tokens on the host) adds
-its own.
+gate's cost curves see the target's decode share only.  The single host sync per step is the
+engine's; a proposer that reads device values while drafting (eagle3 picks its tokens on the
+host) adds its own.
 
 Slots stay **compact**: after a step in which sequences finished, the sequences in the highest
 slots move (their K/V rows, and each proposer's per-slot state through ``move``) into the freed
@@ -38,7 +38,8 @@ never looks past a query's own position, and the next step overwrites them.  Inv
 prefilled: ``seq.kv_len == len(seq.tokens) - 1`` (the last emitted token is fed by the next
 step).
 
-Weights: ``update_weights(policy=…, draft=…, version=…)`` copies tensors in place (shared
+Weights: ``update_weights(policy=…, draft=…, version=…)`` validates the whole update first
+(:mod:`specrl.rollout.weights`; a refused one changes nothing), then copies tensors in place (shared
 references, e.g. a draft sharing the target embedding, stay valid) and arms the stale-draft
 alarm (:class:`~specrl.rollout.metrics.AcceptanceAlarm`) for proposers with weights.
 Call it between ``generate`` calls or, in the server, between steps: sequences in flight keep
@@ -75,6 +76,7 @@ from specrl.rollout.sampling import (
 )
 from specrl.rollout.types import Draft, Request, Result, Results, SeqState
 from specrl.rollout.verify import decide, decide_greedy, decide_plain
+from specrl.rollout.weights import apply_update, plan_update
 
 __all__ = ["Request", "Result", "Results", "RolloutEngine", "SpecConfig"]
 
@@ -255,6 +257,32 @@ class RolloutEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
+
+    def queued_requests(self) -> set[str]:
+        """Ids of the requests none of whose samples has been admitted yet (samples of a
+        request are queued together and admitted in order, so sample 0 waits for all)."""
+        return {s.request_id for s in self._waiting if s.index == 0}
+
+    def abort(self, request_ids: Sequence[str]) -> int:
+        """Drop every unfinished sample of these requests, waiting or running, between steps:
+        their slots and proposer state are freed and no result is produced.  Also the way back
+        to a consistent engine after a failed :meth:`step` (abort the requests it held).
+        Returns the samples dropped."""
+        ids = set(request_ids)
+        queued = [s for s in self._waiting if s.request_id in ids]
+        if queued:
+            self._waiting = deque(s for s in self._waiting if s.request_id not in ids)
+        running = [s for s in self._running if s.request_id in ids]
+        for seq in running:
+            self._running.remove(seq)
+            self._free_slots.append(seq.slot)
+            for p in self.proposers.values():
+                p.release(seq)
+        for rid in ids:
+            self._open.pop(rid, None)
+        if running:
+            self._compact()
+        return len(queued) + len(running)
 
     @property
     def num_running(self) -> int:
@@ -931,9 +959,13 @@ class RolloutEngine:
     ) -> None:
         """Load new policy and/or draft weights in place; ``version`` defaults to previous + 1.
 
-        Raises :class:`~specrl.errors.CheckpointError` when ``policy`` does not match the model
-        and :class:`~specrl.errors.ConfigError` when ``draft`` is given but no proposer has
-        weights.  Arms the stale-draft alarm for every proposer with weights.
+        Everything given is validated before anything is copied
+        (:func:`~specrl.rollout.weights.plan_update`): raises
+        :class:`~specrl.errors.CheckpointError`, with every weight and version unchanged, when
+        ``policy`` or ``draft`` does not match (names, shapes, dtypes, finite values, the
+        draft's vocabulary map), and :class:`~specrl.errors.ConfigError` when ``draft`` is
+        given but no proposer has weights.  Arms the stale-draft alarm for every proposer with
+        weights.
         """
         if policy is None and draft is None:
             raise ValueError("update_weights needs policy and/or draft weights")
@@ -943,8 +975,16 @@ class RolloutEngine:
                 "draft weights given, but no proposer of this engine has weights "
                 f"(proposers: {', '.join(self.proposers) or 'none'})"
             )
+        # validated completely (names, shapes, dtypes, finite values, vocabulary maps) before
+        # anything is replaced: a refused update leaves every weight and version as it was
+        copies = self._policy_copies(policy) if policy is not None else []
+        if draft is not None:
+            for p in weighted:
+                check = getattr(p, "check_weights", None)
+                if check is not None:
+                    check(draft)
         if policy is not None:
-            self._load_policy(policy)
+            apply_update(copies)
             self.policy_version = version if version is not None else self.policy_version + 1
         if draft is not None:
             for p in weighted:
@@ -955,26 +995,12 @@ class RolloutEngine:
             self.policy_version,
         )
 
-    def _load_policy(self, state: Mapping[str, torch.Tensor]) -> None:
-        own = self.model.state_dict()
+    def _policy_copies(self, state: Mapping[str, torch.Tensor]) -> list:
+        """The validated copies of a policy update (:func:`~specrl.rollout.weights.plan_update`;
+        a tied ``lm_head.weight`` is the embedding, so it is optional and not copied)."""
         tied = self.model.config.tie_word_embeddings
-        expected = set(own) - ({"lm_head.weight"} if tied else set())
-        given = set(state) - ({"lm_head.weight"} if tied else set())
-        missing, unexpected = sorted(expected - given), sorted(given - expected)
-        if missing or unexpected:
-            parts = [f"{len(missing)} missing (e.g. '{missing[0]}')"] if missing else []
-            if unexpected:
-                parts.append(f"{len(unexpected)} unexpected (e.g. '{unexpected[0]}')")
-            raise CheckpointError("policy weights do not match the model: " + ", ".join(parts))
-        for name in sorted(expected):
-            if tuple(state[name].shape) != tuple(own[name].shape):
-                raise CheckpointError(
-                    f"policy weight '{name}' has shape {tuple(state[name].shape)}, the model "
-                    f"needs {tuple(own[name].shape)}"
-                )
-        with torch.no_grad():
-            for name in sorted(expected):
-                own[name].copy_(state[name])
+        optional = ("lm_head.weight",) if tied else ()
+        return plan_update("policy", state, self.model.state_dict(), optional=optional)
 
     def _counting(self) -> tuple[Counters, ...]:
         """The counters a step adds to: the engine's, and the ``generate`` call's if one runs."""
@@ -1032,15 +1058,22 @@ class RolloutEngine:
                 f"saved engine state has proposer {unknown[0]!r}, which this engine lacks",
                 hint="resume with the recipe the run was started with",
             )
-        self.policy_version, self.draft_version = state["policy_version"], state["draft_version"]
-        self._next_seq, self._next_request = state["next_seq"], state["next_request"]
-        version, internal, gauss = state["rng"]
-        self._rng.setstate((version, tuple(internal), gauss))
-        self.controller.load_state_dict(state["controller"])
-        self.alarm.load_state_dict(state["alarm"])
-        self._total.load_state_dict(state["counters"])
-        for name, saved in state["proposers"].items():
-            self.proposers[name].load_state_dict(saved)
+        try:
+            self.policy_version = int(state["policy_version"])
+            self.draft_version = int(state["draft_version"])
+            self._next_seq, self._next_request = int(state["next_seq"]), int(state["next_request"])
+            version, internal, gauss = state["rng"]
+            self._rng.setstate((version, tuple(internal), gauss))
+            self.controller.load_state_dict(state["controller"])
+            self.alarm.load_state_dict(state["alarm"])
+            self._total.load_state_dict(state["counters"])
+            for name, saved in state["proposers"].items():
+                self.proposers[name].load_state_dict(saved)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(
+                f"saved engine state is malformed ({type(exc).__name__}: {str(exc)[:80]})",
+                hint="resume from an unaltered checkpoint",
+            ) from None
 
     def _load_legacy_state(self, state: Mapping[str, Any]) -> None:
         try:

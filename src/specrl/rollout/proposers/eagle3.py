@@ -59,6 +59,7 @@ from specrl.rollout.proposers import (
     SeqState,
     register_proposer,
 )
+from specrl.rollout.weights import apply_update, check_vocab_map, plan_update
 
 
 class _StepTaps:
@@ -217,22 +218,17 @@ class Eagle3Proposer(ProposerBase):
         rows = max((st.main_len for st in states), default=0)
         self.cache.copy_slots([s.slot for s, _ in moves], [slot for _, slot in moves], rows)
 
-    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+    def check_weights(self, state: Mapping[str, torch.Tensor]) -> list:
+        """The validated copies of a draft update (:mod:`specrl.rollout.weights`: names, shapes,
+        dtypes, finite values, an in-range ``d2t``/``t2d``); the embedding is the target's."""
         own = {k: v for k, v in self.draft.state_dict().items() if not k.startswith("embed")}
         given = {k: v for k, v in state.items() if not k.startswith("embed")}
-        if set(own) != set(given):
-            missing = sorted(set(own) - set(given))
-            raise CheckpointError(
-                f"draft weights do not match the eagle3 proposer's draft (missing {missing[:3]})"
-            )
-        with torch.no_grad():
-            for k, v in own.items():
-                if tuple(given[k].shape) != tuple(v.shape):
-                    raise CheckpointError(
-                        f"draft weight '{k}' has shape "
-                        f"{tuple(given[k].shape)}, expected {tuple(v.shape)}"
-                    )
-                v.copy_(given[k])
+        copies = plan_update("draft", given, own)
+        check_vocab_map("draft", given["d2t"], given["t2d"], self.vocab)
+        return copies
+
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        apply_update(self.check_weights(state))  # nothing is copied unless all of it is valid
         self._to_target = self.draft.draft_to_target
 
     # ------------------------------------------------------------------ main entries
