@@ -40,6 +40,8 @@ from specrl.rollout.proposers.eagle3 import Eagle3Proposer
 PROFILE = REPO / "benchmarks" / "results" / "studies" / "draft_temperature.json"
 PROFILE_ROW = {"target": "runs/toy/target", "scale": "auto"}
 MAX_K = 4  # the profile's drafts were at most 4 long
+COLUMNS = ["batch", "variant", "tok/s", "vs plain", "τ", "acceptance", "replay per position",
+           "spec step share", "selections"]  # fmt: skip
 
 
 def conditional_profile(per_position: list[float]) -> list[float]:
@@ -64,6 +66,9 @@ class ReplayProposer(Eagle3Proposer):
     docstring); the draft's own forwards run as usual, so its cost is the real one."""
 
     name = "eagle3_replay"
+    # drafting ahead (specrl.rollout.decoupled) would continue chains at other positions than
+    # the profile's: this proposer stays coupled
+    propose_ahead = None
 
     def __init__(self, draft, ctx: ProposerContext, *, alphas: list[float], max_k: int = 16):
         super().__init__(draft, ctx, max_k=max_k, temperature_scale=1.0)
@@ -202,6 +207,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
         if spec["tau"] is not None:
             figures[f"b{b}_tau"] = spec["tau"]
         measured_pp[b] = replay["per_position"]
+        ctx.partial(figures, [table("rollout (so far)", COLUMNS, rows)])
         del engines
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -217,8 +223,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
             table(
                 f"rollout on {ctx.device}: {shape}; prompts {prompt_len}, {max_tokens} tokens, "
                 f"T = 1, k ≤ {MAX_K}, median of {rounds} rounds",
-                ["batch", "variant", "tok/s", "vs plain", "τ", "acceptance", "replay per position",
-                 "spec step share", "selections"],
+                COLUMNS,
                 rows,
             ),
             table(f"per-position acceptance, replayed from {source}",

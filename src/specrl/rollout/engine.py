@@ -65,6 +65,7 @@ from specrl.errors import CheckpointError, ConfigError
 from specrl.models.decoder import CacheBatch, Transformer
 from specrl.models.tokenizer import TextCodec
 from specrl.rollout.compiled import Compiled, CompiledDecode
+from specrl.rollout.decoupled import DrafterError, DraftWorker, Lookahead, ModeChoice
 from specrl.rollout.gating import Arm, SpecController
 from specrl.rollout.metrics import AcceptanceAlarm, Counters
 from specrl.rollout.proposers import Proposer, ProposerContext, SupportsWeights, build_proposer
@@ -226,6 +227,20 @@ class RolloutEngine:
             spec, list(self.proposers), seed=seed, padded=self._compiled is not None
         )
         self.alarm = AcceptanceAlarm(spec.alarm_window, spec.alarm_tau)
+        self.lookahead: Lookahead | None = None
+        self.mode_choice: ModeChoice | None = None
+        if spec.decoupled not in (False, True, "auto"):
+            raise ConfigError(f"decoupled must be true, false or 'auto', got {spec.decoupled!r}")
+        if spec.decoupled == "auto" and self.proposers:
+            self.mode_choice = ModeChoice(spec.epsilon, seed)
+        if spec.decoupled and self.proposers:
+            try:
+                worker = DraftWorker(
+                    threads=spec.drafter_threads, timeout=spec.drafter_timeout, device=self.device
+                )
+            except ValueError as e:
+                raise ConfigError(f"speculation settings: {e}") from None
+            self.lookahead = Lookahead(worker, seed)
         self.policy_version = 0
         self.draft_version = 0
         self._rng = random.Random(seed)
@@ -278,6 +293,8 @@ class RolloutEngine:
             self._free_slots.append(seq.slot)
             for p in self.proposers.values():
                 p.release(seq)
+            if self.lookahead is not None:
+                self.lookahead.release(seq)
         for rid in ids:
             self._open.pop(rid, None)
         if running:
@@ -314,7 +331,7 @@ class RolloutEngine:
             progress(0, len(seqs))
         results: list[Result | None] = [None] * len(seqs)
         done = 0
-        self._call = call = Counters.for_proposers(list(self.proposers))
+        self._call = call = Counters.for_proposers(list(self.proposers), wave=True)
         try:
             while self.has_unfinished():
                 finished = self.step()
@@ -383,8 +400,12 @@ class RolloutEngine:
         decode = self._plan_decode(decoding) if decoding else None  # proposers run (timed) here
         prefill = self._plan_prefill(admitted) if admitted else None
         launches = [launch for launch in (prefill, decode) if launch is not None]
+        mode: str | None = None  # the decode step's drafting mode (specrl.rollout.decoupled)
         if decode is not None:  # host→device inputs before any forward is queued
             self._prepare(decode)
+            mode = self._mode(decode)
+            if mode == "decoupled":  # step t + 1's drafts, beside this verification
+                self._launch_ahead(decode)
         if prefill is not None:
             start = self._stopwatch.mark()
             self._prepare(prefill)
@@ -393,27 +414,50 @@ class RolloutEngine:
         if decode is not None:
             self._run(decode)
         host = self._read_back(launches)  # the step's only device→host transfer
+        waited = 0.0
+        if self.lookahead is not None and decode is not None:
+            t_wait = self.clock()
+            try:
+                self.lookahead.collect()  # the worker is done before proposers observe
+            except DrafterError as exc:
+                self._drafter_failed(exc)
+                raise
+            waited = self.clock() - t_wait
         finished: list[Result] = []
         for launch, values in zip(launches, host, strict=True):
             finished += self._apply(launch, values)
+        if self.lookahead is not None and decode is not None:
+            appended = [
+                toks[: n + 1]
+                for toks, n in zip(host[-1]["tokens"], host[-1]["num_accepted"], strict=True)
+            ]
+            self.lookahead.settle(decode.seqs, appended)
         if finished:
             self._compact()
         seconds = self.clock() - t0
+        live = len(decode.seqs) if decode is not None else 0
+        live += len(admitted)
+        drafting = sum(1 for n in decode.num_rows if n > 1) if decode is not None else 0
         for c in self._counting():
             c.steps += 1
             c.seconds += seconds
+            if c.wave is not None:
+                c.wave.append((live, drafting))
         if decode is not None:
             # a step that compiled a graph took seconds of compilation: no timing sample
             timed = graphs == self.compiled_graphs
             target = None
             if timed:
                 # the target's decode share of the step: without the prefill and the drafting
-                target = seconds - sum(call[3] for call in decode.draft_calls)
+                target = seconds - sum(call[3] for call in decode.draft_calls) - waited
                 if prefill is not None:
                     target -= self._stopwatch.seconds(start, stop)
             tokens = sum(decode.num_rows)
             rows = len(decode.seqs) * max(decode.num_rows) if decode.tensors["padded"] else tokens
             self.controller.record_step(rows, target, tokens > len(decode.seqs))
+            if self.mode_choice is not None and mode is not None and timed:
+                emitted = sum(n + 1 for n in host[-1]["num_accepted"])
+                self.mode_choice.record(len(decode.seqs), mode, emitted, seconds)
             self._learn(decode, host[-1], timed)
         return finished
 
@@ -482,6 +526,8 @@ class RolloutEngine:
                 caps[b] = min(arm.k, seq.params.max_tokens - seq.num_output - 1)
                 asked.setdefault(arm.proposer, []).append(b)
             for name, idx in asked.items():  # cap 0 included: a proposer may batch them along
+                if self.lookahead is not None:  # drafted ahead during the previous step
+                    idx = self._take_ahead(name, seqs, idx, caps, drafts)
                 if not any(caps[b] for b in idx):
                     continue
                 batch = [seqs[b] for b in idx]
@@ -509,6 +555,53 @@ class RolloutEngine:
             num_rows=[len(d.tokens) + 1 for d in drafts],
             draft_calls=draft_calls,
         )
+
+    def _take_ahead(
+        self, name: str, seqs: list[SeqState], idx: list[int], caps: list[int], drafts: list[Draft]
+    ) -> list[int]:
+        """Fill ``drafts`` from the ahead drafts ``name`` made for these sequences; returns the
+        indices still to draft (coupled)."""
+        assert self.lookahead is not None
+        rest = []
+        for b in idx:
+            ahead = self.lookahead.take(seqs[b], name) if caps[b] > 0 else None
+            if ahead is None:
+                rest.append(b)
+            else:
+                drafts[b] = self._checked(name, ahead, caps[b])
+        return rest
+
+    def _mode(self, decode: _Launch) -> str | None:
+        """This speculative step's drafting mode, None for a plain step (or no worker)."""
+        if self.lookahead is None or all(arm is None for arm in decode.arms):
+            return None
+        if self.mode_choice is None:
+            return "decoupled"
+        return self.mode_choice.choose(len(decode.seqs))
+
+    def _launch_ahead(self, decode: _Launch) -> None:
+        """Hand the worker this step's sequences with their drafts assumed accepted; each asks
+        the arm's k for the next step, within max_tokens."""
+        assert self.lookahead is not None
+        names: list[str | None] = []
+        ks: list[int] = []
+        for seq, arm, d in zip(decode.seqs, decode.arms, decode.drafts, strict=True):
+            left = seq.params.max_tokens - seq.num_output - len(d.tokens) - 1
+            k = min(arm.k, left - 1) if arm is not None and d.tokens else 0
+            names.append(arm.proposer if k > 0 else None)
+            ks.append(max(k, 0))
+        self.lookahead.launch(self.proposers, decode.seqs, names, decode.drafts, ks)
+
+    def _drafter_failed(self, exc: DrafterError) -> None:
+        """The decoupled drafter raised, died or hung: fail the requests the engine holds
+        (:meth:`abort`) and decode coupled from now on (a warning says so)."""
+        assert self.lookahead is not None
+        self.lookahead.abandon()
+        self.lookahead.worker.close()
+        self.lookahead = None
+        held = {s.request_id for s in (*self._running, *self._waiting)}
+        self.abort(sorted(held))
+        log.warning("%s; later requests draft coupled (decoupled drafting is off)", exc)
 
     def _checked(self, name: str, draft: Draft, cap: int) -> Draft:
         """A proposer's draft cut to ``cap`` tokens, with its ids and q shape validated."""
@@ -871,6 +964,8 @@ class RolloutEngine:
         self._free_slots.append(seq.slot)
         for p in self.proposers.values():
             p.release(seq)
+        if self.lookahead is not None:
+            self.lookahead.release(seq)
         for c in self._counting():
             c.finished += 1
         self._open[seq.request_id] -= 1
@@ -980,9 +1075,7 @@ class RolloutEngine:
         copies = self._policy_copies(policy) if policy is not None else []
         if draft is not None:
             for p in weighted:
-                check = getattr(p, "check_weights", None)
-                if check is not None:
-                    check(draft)
+                p.check_weights(draft)
         if policy is not None:
             apply_update(copies)
             self.policy_version = version if version is not None else self.policy_version + 1
@@ -1021,6 +1114,12 @@ class RolloutEngine:
             "gating": self.controller.to_dict(),
             "alarm_tau": dict(self.alarm.last),
             "alarm_armed": self.alarm.armed,
+            "decoupled": None
+            if self.lookahead is None
+            else {
+                **self.lookahead.to_dict(),
+                "modes": self.mode_choice.to_dict() if self.mode_choice is not None else None,
+            },
         }
 
     # ---------------------------------------------------------------------- resumable state

@@ -64,7 +64,7 @@ from specrl.train.batch import Sample
 from specrl.train.evaluate import evaluate
 from specrl.train.layout import TrainLayout, check_model, check_split, setup_distributed
 from specrl.train.metrics import MetricsWriter
-from specrl.train.parallelize import parallelize_policy
+from specrl.train.parallelize import check_backend, parallelize_policy
 from specrl.train.state_io import (
     optimizer_from_flat,
     optimizer_to_flat,
@@ -97,6 +97,7 @@ class UnitClock:
 def check_recipe(recipe: Recipe, source: str) -> None:
     """One-line errors for checkpoints and drafters a recipe cannot have (before the layout)."""
     check_artifacts(recipe, source)
+    check_backend(recipe)
     spec = recipe.rollout.speculation
     if spec and "eagle3" in spec.proposers and recipe.draft.mode == "none":
         raise ConfigError(
@@ -332,7 +333,7 @@ class RLTrainer:
         t0 = time.perf_counter()
         counters: dict[str, float] = {}
         stats: dict[str, Any] = {}
-        samples = None
+        samples = results = None
         if self.engine is not None:
             requests = exp.rollout_requests(prompts, self.codec, r, self.recipe.run.seed, step)
             results = self.engine.generate(requests)
@@ -349,6 +350,7 @@ class RLTrainer:
         return {
             "step": step + 1,
             **exp.rollout_metrics(summed, stats, t_rollout),
+            **exp.wave_metrics(results),
             **upd,
             "time_rollout": t_rollout,
             "time_sync": t_sync,
@@ -477,9 +479,10 @@ class RLTrainer:
             if writer is not None:
                 writer.close()
         if self.rank == 0 and tr.plots:
-            from specrl.train.plots import compare_siblings, plot_run
+            from specrl.train.plots import compare_siblings, plot_run, plot_waves
 
             plot_run(self.run_dir)
+            plot_waves(self.run_dir)  # the live batch over a rollout wave, response lengths
             compare_siblings(self.run_dir)  # co-trained vs frozen (vs none) when both exist
 
     def run(self, on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:

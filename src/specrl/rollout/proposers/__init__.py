@@ -143,7 +143,11 @@ class ProposerBase:
 
 @runtime_checkable
 class SupportsWeights(Protocol):
-    """A proposer with trainable weights (e.g. an EAGLE-3 draft): ``update_weights(draft=…)``."""
+    """A proposer with trainable weights (e.g. an EAGLE-3 draft): ``update_weights(draft=…)``
+    validates the update with every such proposer's ``check_weights`` (raising
+    :class:`~specrl.errors.CheckpointError` on a mismatch) before any ``load_weights``."""
+
+    def check_weights(self, state: Mapping[str, torch.Tensor]) -> Any: ...
 
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None: ...
 

@@ -72,6 +72,9 @@ class NgramProposer(ProposerBase):
     """Longest-suffix-match drafts over own context, siblings and per-prompt history."""
 
     name = "ngram"
+    # propose only reads the indexes and the sequence's tokens: decoupled drafting may call it
+    # on shadow sequences carrying drafts not yet verified (specrl.rollout.decoupled)
+    ahead_safe = True
 
     def __init__(
         self,
