@@ -127,6 +127,11 @@ class SpecController:
         self._spacing = 1.0 / config.probe if config.probe > 0 else math.inf
         self._forced: bool | None = None
         self._last_batch = 1
+        # speculative measurements so far (acceptance, drafting, speculative steps): the arms'
+        # prices change only with them (:meth:`_priced`)
+        self._measured = 0
+        self._prices_key: tuple[int, int] | None = None
+        self._prices: tuple[dict[Arm, float], float] = ({}, 1.0)
         self.counts = {"spec_steps": 0, "plain_steps": 0, "probe_steps": 0, "since_probe": 0}
         self.selections = {str(a): 0 for a in self.arms}
 
@@ -154,10 +159,10 @@ class SpecController:
         if not self.target[True].observations:
             self.counts["probe_steps"] += 1
             return self._probe(batch_size, whole=False)
-        rates = self._rates(batch_size)
+        rates, price = self._priced(batch_size)
         on = self.gate.decide(batch_size, self._speedup(batch_size, rates))
         self.counts["since_probe"] += 1
-        wait = self._spacing * (1.0 if on else self._probe_price(batch_size))
+        wait = self._spacing * (1.0 if on else price)
         if self.counts["since_probe"] < wait:
             return self._spec(batch_size, self.arms, rates) if on else self._plain()
         self.counts["since_probe"] = 0
@@ -166,6 +171,15 @@ class SpecController:
             return self._plain()
         optimistic = self._speedup(batch_size, self._rates(batch_size, True), True)
         return self._probe(batch_size, whole=optimistic > 1 + self.gate.hysteresis)
+
+    def _priced(self, batch_size: int) -> tuple[dict[Arm, float], float]:
+        """(:meth:`_rates`, :meth:`_probe_price`) at ``batch_size``, kept until a speculative
+        measurement changes them: while the gate is off a step costs a lookup, not a pricing."""
+        key = (batch_size, self._measured)
+        if self._prices_key != key:
+            self._prices = (self._rates(batch_size), self._probe_price(batch_size))
+            self._prices_key = key
+        return self._prices
 
     def _probe_price(self, batch_size: int) -> float:
         """A slice probe's predicted seconds in plain steps' (≥ 1): probes of a dear drafter
@@ -233,17 +247,20 @@ class SpecController:
         e.g. it compiled a graph) that computed ``rows`` query rows."""
         if seconds is not None:
             self.target[speculative].observe(rows, seconds)
+            self._measured += speculative
 
     def record_draft(self, proposer: str, rows: int, seconds: float, backlog: int = 0) -> None:
         """One ``propose`` call: ``rows`` tokens asked (Σ caps) after ``backlog`` queued
         positions caught up, in ``seconds``."""
         self.drafting[proposer].observe(rows + backlog, seconds)
         self.defers[proposer] |= backlog > 0
+        self._measured += 1
 
     def record(self, arm: Arm, k_used: int, emitted: int, cap: int | None = None) -> None:
         """One verification under ``arm``: capped at ``cap`` (default k), ``k_used`` drafted,
         ``emitted`` tokens emitted."""
         self.accept[arm.proposer].add(arm.k if cap is None else cap, k_used, emitted)
+        self._measured += 1
 
     # ------------------------------------------------------------------ reporting, state
     def to_dict(self) -> dict[str, Any]:
@@ -288,6 +305,7 @@ class SpecController:
         if self.bandit is not None and state["bandit"] is not None:
             self.bandit.load_state_dict(state["bandit"])
         self.counts.update(state["counts"])
+        self._prices_key = None
         self.selections.update(
             {k: v for k, v in state["selections"].items() if k in self.selections}
         )
