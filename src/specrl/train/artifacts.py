@@ -14,6 +14,7 @@ from pathlib import Path
 
 from specrl.config.loader import dump_recipe
 from specrl.config.schema import Recipe
+from specrl.core.fsio import check_output
 from specrl.errors import CheckpointError, ConfigError
 from specrl.models.draft_io import DRAFT_META
 from specrl.train.layout import TrainLayout
@@ -35,6 +36,18 @@ def check_artifacts(recipe: Recipe, source: str) -> None:
         raise ConfigError(
             f"{source}: policy.path is empty", hint="set policy.path to an HF checkpoint directory"
         )
+    run_dir = recipe.run.directory
+    if not policy_ready(recipe):
+        # the warm-start will write here: nothing it would replace may be lost
+        check_output(
+            recipe.policy.path,
+            kind="dir",
+            inputs=[run_dir, recipe.draft.path if draft_ready(recipe) else None],
+            flag=f"{source}: policy.path",
+            probe=False,
+            fix="point policy.path at an HF checkpoint directory (with config.json) or at a "
+            "new one",
+        )
     if not policy_ready(recipe) and recipe.policy.warmstart is None:
         raise CheckpointError(
             f"{source}: policy.path '{recipe.policy.path}' holds no checkpoint and the recipe "
@@ -47,6 +60,15 @@ def check_artifacts(recipe: Recipe, source: str) -> None:
         raise ConfigError(
             f"{source}: draft.mode is '{recipe.draft.mode}' but draft.path is empty",
             hint="set draft.path, or draft.mode: none",
+        )
+    if not draft_ready(recipe):
+        check_output(
+            recipe.draft.path,
+            kind="dir",
+            inputs=[run_dir, recipe.policy.path],
+            flag=f"{source}: draft.path",
+            probe=False,
+            fix="point draft.path at a specrl draft directory or at a new one",
         )
     if not draft_ready(recipe) and recipe.draft.init is None:
         raise CheckpointError(
