@@ -27,17 +27,13 @@ free-taps step, relative to the draft-free step (the same quantity end to end, b
 shared machine); tap bytes per step, next to the pipeline's own activation + gradient bytes.
 The draft's compute does not add to the step in full: part of it fills the last stage's bubbles.
 
-    python benchmarks/tap_channel.py          # table + benchmarks/results/tap_channel.json
-    python benchmarks/tap_channel.py --quick
+    python -m benchmarks.tap_channel          # table + benchmarks/results/tap_channel.json
+    python -m benchmarks.tap_channel --quick --markdown
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -49,6 +45,11 @@ from specrl.models.decoder import Transformer
 from specrl.models.draft import DraftConfig, Eagle3Draft, build_vocab_map, init_draft_weights
 from specrl.models.presets import preset_config
 from specrl.train.pipeline_cotrain import CotrainConfig, PackedMicrobatch, PipelineCotrainer
+
+try:
+    from benchmarks import harness
+except ModuleNotFoundError:  # run as a file (python benchmarks/tap_channel.py)
+    import harness
 
 SHAPE = dict(
     hidden_size=128,
@@ -200,27 +201,25 @@ def _trainer(groups, variant: str) -> PipelineCotrainer:
 def _measure(rank: int, world: int, variants: list[str], repeats: int) -> dict:
     groups = ParallelDims(world_size=world, pp=2).build_groups()
     trainers = {v: _trainer(groups, v) for v in variants}
-    out: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
-    for r in range(repeats + 1):  # repeat 0 warms up
-        batch = _microbatches(r)
-        for v, trainer in trainers.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            stats = trainer.step(batch)
-            wall = time.perf_counter() - t0
-            if r == 0:
-                continue
-            tap = stats.tap or TapStats()
-            for key, value in (
-                ("step", wall),
-                ("draft", stats.draft_seconds),
-                ("wait", tap.wait_seconds),
-                ("channel", tap.send_seconds + tap.wait_seconds),
-                ("bytes", tap.bytes_sent + tap.bytes_received),
-                ("policy_loss", stats.policy_loss),
-            ):
-                out[v].setdefault(key, []).append(value)
-    return out
+
+    def step(variant: str, rep: int) -> dict[str, float] | None:
+        batch = _microbatches(rep + 1)  # rep -1 warms up; both ranks rotate alike
+        dist.barrier()
+        t0 = time.perf_counter()
+        stats = trainers[variant].step(batch)
+        wall = time.perf_counter() - t0
+        tap = stats.tap or TapStats()
+        return {
+            "step": wall,
+            "draft": stats.draft_seconds,
+            "wait": tap.wait_seconds,
+            "channel": tap.send_seconds + tap.wait_seconds,
+            "bytes": tap.bytes_sent + tap.bytes_received,
+            "policy_loss": stats.policy_loss,
+        }
+
+    runs = harness.interleave(variants, repeats, step, warmup=1)
+    return {v: {k: [r[k] for r in rs] for k in rs[0]} if rs else {} for v, rs in runs.items()}
 
 
 def _naive_deadlocks(rank: int, world: int) -> dict:
@@ -228,18 +227,23 @@ def _naive_deadlocks(rank: int, world: int) -> dict:
     return {"completed": bool(out["blocking hooks"])}
 
 
+COLUMNS = (
+    "variant", "step_ms", "draft_compute_ms", "tap_wait_ms", "channel_ms", "channel_pct",
+    "transport_overhead_pct", "tap_bytes_per_step",
+)  # fmt: skip
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--repeats", type=int, default=15)
+    ap = harness.parser(__doc__, "tap_channel", repeats=15, threads=False, clock=False)
     ap.add_argument("--deadlock-timeout", type=float, default=30.0)
-    ap.add_argument("--out", default="benchmarks/results/tap_channel.json")
     args = ap.parse_args()
+    harness.configure(ap, args)
     repeats = 2 if args.quick else args.repeats
     variants = ["no draft", "draft, free taps", "tapchannel", "blocking hooks, pre-posted"]
     per_rank = spawn(_measure, 2, variants, repeats, timeout=1200, threads=1)
     worst = lambda v, key: [max(x) for x in zip(*(r[v][key] for r in per_rank), strict=True)]
     both = lambda v, key: [sum(x) for x in zip(*(r[v][key] for r in per_rank), strict=True)]
+    med = lambda xs: round(harness.median(xs), 3)
     base, free = worst("no draft", "step"), worst("draft, free taps", "step")
     rows = []
     for v in variants:
@@ -247,18 +251,20 @@ def main() -> None:
         rows.append(
             {
                 "variant": v,
-                "step_ms": statistics.median(step) * 1e3,
-                "draft_compute_ms": statistics.median(worst(v, "draft")) * 1e3,
-                "tap_wait_ms": statistics.median(worst(v, "wait")) * 1e3,
+                "step_ms": med(s * 1e3 for s in step),
+                "draft_compute_ms": med(s * 1e3 for s in worst(v, "draft")),
+                "tap_wait_ms": med(s * 1e3 for s in worst(v, "wait")),
                 # time inside the transport (sends + waits) on both ranks, relative to no draft
-                "channel_ms": statistics.median(both(v, "channel")) * 1e3,
-                "channel_pct": 100
-                * statistics.median(c / b for c, b in zip(both(v, "channel"), base, strict=True)),
+                "channel_ms": med(s * 1e3 for s in both(v, "channel")),
+                "channel_pct": round(100 * harness.paired_ratio(both(v, "channel"), base), 2),
                 # per repeat: what the transport adds over free taps, relative to no draft
                 "transport_overhead_pct": None
                 if v in ("no draft", "draft, free taps")
-                else 100
-                * statistics.median((s - f) / b for s, f, b in zip(step, free, base, strict=True)),
+                else round(
+                    100
+                    * harness.median((s - f) / b for s, f, b in zip(step, free, base, strict=True)),
+                    1,
+                ),
                 "tap_bytes_per_step": sum(r[v]["bytes"][0] for r in per_rank) // 2,
                 "policy_loss": per_rank[1][v]["policy_loss"][0],
             }
@@ -273,45 +279,27 @@ def main() -> None:
                  "seconds": round(time.perf_counter() - t0, 1)})  # fmt: skip
 
     act = 2 * MICROBATCHES * TOKENS * SHAPE["hidden_size"] * 4  # activations + their gradients
-    print(
-        f"pp=2 gloo CPU fp32, 1F1B, {MICROBATCHES} microbatches × {TOKENS} tokens, taps {TAPS}, "
-        f"TTT steps {TTT_STEPS}, {repeats} repeats (median); pipeline activation + gradient "
-        f"bytes/step: {act}"
-    )
-    head = ["variant", "step ms", "draft compute ms", "tap wait ms", "channel ms (% of step)"]
-    head += ["step − free-taps step", "tap bytes/step"]
-    print("| " + " | ".join(head) + " |")
-    print("| --- |" + " ---: |" * (len(head) - 1))
-    for r in rows:
-        if "result" in r:
-            cells = [r["variant"], r["result"], "", "", "", "", ""]
-        else:
-            cells = [
-                r["variant"],
-                f"{r['step_ms']:.1f}",
-                f"{r['draft_compute_ms']:.1f}",
-                f"{r['tap_wait_ms']:.2f}",
-                f"{r['channel_ms']:.2f} ({r['channel_pct']:.2f} %)",
-                "—"
-                if r["transport_overhead_pct"] is None
-                else f"{r['transport_overhead_pct']:+.1f} %",
-                str(r["tap_bytes_per_step"]),
-            ]
-        print("| " + " | ".join(cells) + " |")
     same = len({r["policy_loss"] for r in rows if "policy_loss" in r}) == 1
-    print(f"policy loss identical across variants: {same}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    title = (
+        f"pp=2 gloo CPU fp32, 1F1B, {MICROBATCHES} microbatches × {TOKENS} tokens, taps {TAPS}, "
+        f"TTT steps {TTT_STEPS}, median of {repeats}; pipeline activation + gradient bytes/step "
+        f"{act}; policy loss identical across variants: {same}"
+    )
+    shown = [
+        r if "result" not in r else {"variant": f"{r['variant']}: {r['result']}"} for r in rows
+    ]
+    config = {
+        "pp": 2, "backend": "gloo", "dtype": "float32", "schedule": "1f1b",
+        "microbatches": MICROBATCHES, "tokens_per_microbatch": TOKENS, "taps": list(TAPS),
+        "ttt_steps": TTT_STEPS, "shape": SHAPE, "vocab": VOCAB, "repeats": repeats,
+    }  # fmt: skip
     payload = {
-        "config": {
-            "pp": 2, "backend": "gloo", "dtype": "float32", "schedule": "1f1b",
-            "microbatches": MICROBATCHES, "tokens_per_microbatch": TOKENS, "taps": list(TAPS),
-            "ttt_steps": TTT_STEPS, "shape": SHAPE, "vocab": VOCAB, "repeats": repeats,
-        },
+        "config": config,
         "pipeline_activation_bytes_per_step": act,
         "policy_loss_identical": same,
         "rows": rows,
-    }  # fmt: skip
-    Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+    }
+    harness.report(args, [(title, shown, COLUMNS)], payload)
 
 
 if __name__ == "__main__":

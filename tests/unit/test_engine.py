@@ -584,3 +584,23 @@ def test_generate_returns_the_calls_own_speculation_statistics():
     for key in ("tokens", "target_forwards", "steps"):
         assert total[key] == sum(out.stats[key] for out in calls)
     assert total["spec"]["accepted"] == sum(out.stats["spec"]["accepted"] for out in calls)
+
+
+def test_generate_reports_its_rollout_wave():
+    """``Results.stats["wave"]``: per engine step the live batch (prefilled or decoded) and
+    how many of them drafted; the wave of a batch with a length tail shrinks to its longest."""
+    spec = SpecConfig(proposers=("test-garbage",), max_k=2, gate=False)
+    engine = make_engine(tiny(), max_batch_size=4, spec=spec)
+    lengths = (2, 3, 5, 14)
+    out = engine.generate(
+        [Request(p, greedy(m)) for p, m in zip(PROMPTS, lengths, strict=False)]
+    )
+    wave = out.stats["wave"]
+    assert len(wave) == out.stats["steps"]
+    assert wave[0] == [4, 0]  # the prefill of all four
+    live = [w[0] for w in wave]
+    assert live == sorted(live, reverse=True) and live[-1] == 1
+    assert all(0 <= d <= n for n, d in wave) and any(d for _, d in wave)
+    # every step's decoded sequences emitted ≥ 1 token each
+    assert sum(live[1:]) <= sum(len(r.tokens) for r in out)
+    assert engine.stats()["wave"] is None  # lifetime counters keep no per-step list

@@ -244,6 +244,14 @@ def serve_command(
             "SPECRL_UPDATE_TOKEN; neither: weight updates are refused).",
         ),
     ] = None,
+    weights_dir: Annotated[
+        Optional[list[Path]],
+        typer.Option(
+            "--weights-dir",
+            help="Directory POST /v1/weights may read .safetensors files from (repeatable; "
+            "the served --target and --draft directories are always allowed, nothing else).",
+        ),
+    ] = None,
     proposers: ProposersOpt = "ngram",
     draft: DraftOpt = None,
     k: KOpt = 4,
@@ -276,6 +284,9 @@ def serve_command(
             raise ConfigError(f"token file '{update_token_file}' is empty")
     elif os.environ.get("SPECRL_UPDATE_TOKEN"):
         token = os.environ["SPECRL_UPDATE_TOKEN"].strip()
+    for d in weights_dir or ():
+        if not d.is_dir():
+            raise ConfigError(f"--weights-dir '{d}' is not a directory")
     config = rollout_config(proposers, k, batch_size, compile, draft)
     codec = chat_codec(target) if chat_template else None
     engine = build_engine(config, target, draft, codec=codec, device=device, seed=seed)
@@ -292,9 +303,16 @@ def serve_command(
         max_n=max_n,
     )
     worker = EngineWorker(engine)
+    # weight files: the served checkpoints' own directories and those the operator names
+    allowed = [target, *([draft] if draft is not None else []), *(weights_dir or ())]
     api = create_app(
-        worker, engine.codec, model_name=target.name, limits=limits, update_token=token
+        worker,
+        engine.codec,
+        model_name=target.name,
+        limits=limits,
+        update_token=token,
+        weights_dirs=allowed,
     )
-    updates = "enabled" if token else "disabled"
+    updates = f"enabled, from {', '.join(map(str, allowed))}" if token else "disabled"
     err.print(f"serving {target} on http://{host}:{port} (weight updates {updates})")
     uvicorn.Server(uvicorn.Config(api, host=host, port=port, log_level="info")).run()

@@ -32,11 +32,15 @@ class RunConfig:
 class TaskConfig:
     """The verifiable task rollouts are scored on."""
 
-    name: Literal["addition", "multiplication", "mixed", "jsonl"] = doc(
+    name: Literal["addition", "multiplication", "mixed", "longtail", "jsonl"] = doc(
         "addition", "Built-in toy task, or jsonl for user prompts/answers."
     )
     min_digits: int = doc(2, "Toy tasks: fewest digits of an operand.")
     max_digits: int = doc(5, "Toy tasks: most digits of an operand.")
+    tail_exponent: float = doc(
+        1.5,
+        "longtail task: P(digits d) ∝ (d − min_digits + 1)^−exponent; smaller: a heavier tail.",
+    )
     path: str | None = doc(None, "jsonl task: path of the prompt/answer file.")
     prompt_field: str = doc("prompt", "jsonl task: field holding the prompt.")
     answer_field: str = doc("answer", "jsonl task: field holding the reference answer.")
@@ -51,6 +55,8 @@ class TaskConfig:
             raise ValueError(
                 f"need 1 ≤ min_digits ≤ max_digits, got {self.min_digits}, {self.max_digits}"
             )
+        if not self.tail_exponent > 0:
+            raise ValueError(f"tail_exponent must be > 0, got {self.tail_exponent}")
 
 
 @dataclass
@@ -96,6 +102,12 @@ class PolicyConfig:
         None,
         "Named shape preset the checkpoint must match (llama-8b, qwen-32b, llama-70b, "
         "dense-122b); checked at load, and lets layouts be validated before the weights exist.",
+    )
+    backend: Literal["native", "megatron"] = doc(
+        "native",
+        "Training backend of the policy: specrl's own decoder (DDP / CP / torch pipelining), or "
+        "Megatron-core GPTModel chunks run by Megatron's 1F1B / interleaved schedules (needs "
+        "parallel.pp >= 2 and cp 1; `pip install 'specrl[megatron]'`).",
     )
 
 
@@ -159,6 +171,19 @@ class SpeculationConfig:
     max_k: int = doc(4, "Longest draft per verification.")
     gate: bool = doc(True, "Gate speculation by batch size from the online cost model.")
     epsilon: float = doc(0.1, "Bandit exploration rate.")
+    decoupled: bool | Literal["auto"] = doc(
+        False,
+        "Decoupled drafting (embedded engine): a drafter worker drafts the next step while the "
+        "target verifies this one, assuming this step's drafts accepted (lossless either way); "
+        "auto: per batch size, coupled or decoupled by measured throughput.",
+    )
+    drafter_timeout: float = doc(
+        30.0, "Decoupled drafting: seconds a draft may take before the worker counts as hung."
+    )
+
+    def __post_init__(self) -> None:
+        if self.drafter_timeout <= 0:
+            raise ValueError(f"drafter_timeout must be > 0, got {self.drafter_timeout}")
 
 
 @dataclass

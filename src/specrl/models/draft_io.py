@@ -14,7 +14,7 @@ embedding.  Policy on mismatch (documented in the README):
 - embedding hash differs → warning only: the same model whose weights moved (an RL-updated
   policy); the draft's frozen embedding is refreshed from the target given.
 
-**Serving export** (REFERENCE §2; what vLLM and SGLang load): ``config.json`` with
+**Serving export** (docs/draft.md; what vLLM and SGLang load): ``config.json`` with
 ``architectures: ["LlamaForCausalLMEagle3"]`` and the aux layer ids written explicitly in the
 chosen server's convention, plus ``model.safetensors`` (``fc``, ``midlayer.*``, ``norm``,
 ``lm_head``, ``d2t`` int64, ``t2d`` bool; no embedding).  A full-size draft vocabulary has no

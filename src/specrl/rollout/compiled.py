@@ -39,7 +39,7 @@ call of a class has run without compiling, later calls of that class skip dynamo
   bytecode, which feeds the compiled graph) as a plain function — no frame interception, no
   cache lookup.  This is vLLM's custom dispatcher (``TorchCompileWrapperWithCustomDispatcher``)
   and saves a further 110 µs (batch 1) to 460 µs (batch 32) per toy decode forward over the
-  stance below (``benchmarks/compiled_dispatch.py``).
+  stance below (measured: docs/benchmarks.md, "Decisions").
   Every ``check_every``-th direct call (:data:`CHECK_EVERY`; every call in the test suite)
   first evaluates the entry's guards in full: should they fail, the key missed a fact, and the
   call, and its class from then on, run fully guarded;
@@ -78,8 +78,7 @@ RECOMPILE_LIMIT = 64
 # every how many direct calls of a graph class its entry's guards are evaluated in full (0:
 # never); the test suite sets 1, so every compiled call of the engine tests proves its key
 CHECK_EVERY = 256
-# direct calls on (read when a Compiled is built; benchmarks/compiled_dispatch.py turns them
-# off to measure the guard-free stance alone)
+# direct calls on (read when a Compiled is built; off leaves the guard-free stance alone)
 DIRECT_CALLS = True
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,8 @@ never looks past a query's own position, and the next step overwrites them.  Inv
 prefilled: ``seq.kv_len == len(seq.tokens) - 1`` (the last emitted token is fed by the next
 step).
 
-Weights: ``update_weights(policy=…, draft=…, version=…)`` copies tensors in place (shared
+Weights: ``update_weights(policy=…, draft=…, version=…)`` validates the whole update first
+(:mod:`specrl.rollout.weights`; a refused one changes nothing), then copies tensors in place (shared
 references, e.g. a draft sharing the target embedding, stay valid) and arms the stale-draft
 alarm (:class:`~specrl.rollout.metrics.AcceptanceAlarm`) for proposers with weights.
 Call it between ``generate`` calls or, in the server, between steps: sequences in flight keep
@@ -48,6 +49,7 @@ the K/V computed by the old weights (``Result.policy_versions`` says which versi
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from collections import Counter, deque
@@ -58,10 +60,11 @@ from typing import Any
 import torch
 
 from specrl.core.attention import PackedLayout
-from specrl.errors import CheckpointError, ConfigError
+from specrl.errors import ConfigError
 from specrl.models.decoder import CacheBatch, Transformer
 from specrl.models.tokenizer import TextCodec
 from specrl.rollout.compiled import Compiled, CompiledDecode
+from specrl.rollout.decoupled import DrafterError, DraftWorker, Lookahead, ModeChoice
 from specrl.rollout.gating import COST_WINDOW, Arm, SpecController
 from specrl.rollout.metrics import AcceptanceAlarm, Counters
 from specrl.rollout.proposers import Proposer, ProposerContext, SupportsWeights, build_proposer
@@ -73,8 +76,11 @@ from specrl.rollout.sampling import (
 )
 from specrl.rollout.types import Draft, Request, Result, Results, SeqState
 from specrl.rollout.verify import decide, decide_greedy, decide_plain
+from specrl.rollout.weights import apply_update, plan_update
 
 __all__ = ["Request", "Result", "Results", "RolloutEngine", "SpecConfig"]
+
+log = logging.getLogger("specrl.rollout")
 
 
 @dataclass
@@ -94,6 +100,13 @@ class SpecConfig:
     cost_window: int = COST_WINDOW
     alarm_window: int = 32  # drafts per window of the stale-draft alarm
     alarm_tau: float = 1.05  # τ at or below which a window raises the alarm
+    # decoupled drafting (specrl.rollout.decoupled): a worker drafts step t + 1 while the
+    # target verifies step t ("auto": per batch size, coupled or decoupled by measured
+    # throughput); its intra-op threads, and how long a draft may take before the worker
+    # counts as hung (the requests in flight then fail)
+    decoupled: bool | str = False
+    drafter_threads: int | None = 1
+    drafter_timeout: float = 30.0
 
 
 @dataclass
@@ -248,6 +261,20 @@ class RolloutEngine:
         except ValueError as e:  # a SpecConfig field out of range (the message names it)
             raise ConfigError(f"speculation settings: {e}") from None
         self.alarm = AcceptanceAlarm(spec.alarm_window, spec.alarm_tau)
+        self.lookahead: Lookahead | None = None
+        self.mode_choice: ModeChoice | None = None
+        if spec.decoupled not in (False, True, "auto"):
+            raise ConfigError(f"decoupled must be true, false or 'auto', got {spec.decoupled!r}")
+        if spec.decoupled == "auto" and self.proposers:
+            self.mode_choice = ModeChoice(spec.epsilon, seed)
+        if spec.decoupled and self.proposers:
+            try:
+                worker = DraftWorker(
+                    threads=spec.drafter_threads, timeout=spec.drafter_timeout, device=self.device
+                )
+            except ValueError as e:
+                raise ConfigError(f"speculation settings: {e}") from None
+            self.lookahead = Lookahead(worker, seed)
         self.policy_version = 0
         self.draft_version = 0
         self._rng = random.Random(seed)
@@ -280,6 +307,34 @@ class RolloutEngine:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
+    def queued_requests(self) -> set[str]:
+        """Ids of the requests none of whose samples has been admitted yet (samples of a
+        request are queued together and admitted in order, so sample 0 waits for all)."""
+        return {s.request_id for s in self._waiting if s.index == 0}
+
+    def abort(self, request_ids: Sequence[str]) -> int:
+        """Drop every unfinished sample of these requests, waiting or running, between steps:
+        their slots and proposer state are freed and no result is produced.  Also the way back
+        to a consistent engine after a failed :meth:`step` (abort the requests it held).
+        Returns the samples dropped."""
+        ids = set(request_ids)
+        queued = [s for s in self._waiting if s.request_id in ids]
+        if queued:
+            self._waiting = deque(s for s in self._waiting if s.request_id not in ids)
+        running = [s for s in self._running if s.request_id in ids]
+        for seq in running:
+            self._running.remove(seq)
+            self._free_slots.append(seq.slot)
+            for p in self.proposers.values():
+                p.release(seq)
+            if self.lookahead is not None:
+                self.lookahead.release(seq)
+        for rid in ids:
+            self._open.pop(rid, None)
+        if running:
+            self._compact()
+        return len(queued) + len(running)
+
     @property
     def num_running(self) -> int:
         return len(self._running)
@@ -310,7 +365,7 @@ class RolloutEngine:
             progress(0, len(seqs))
         results: list[Result | None] = [None] * len(seqs)
         done = 0
-        self._call = call = Counters.for_proposers(list(self.proposers))
+        self._call = call = Counters.for_proposers(list(self.proposers), wave=True)
         try:
             while self.has_unfinished():
                 finished = self.step()
@@ -379,8 +434,12 @@ class RolloutEngine:
         decode = self._plan_decode(decoding) if decoding else None  # proposers run (timed) here
         prefill = self._plan_prefill(admitted) if admitted else None
         launches = [launch for launch in (prefill, decode) if launch is not None]
+        mode: str | None = None  # the decode step's drafting mode (specrl.rollout.decoupled)
         if decode is not None:  # host→device inputs before any forward is queued
             self._prepare(decode)
+            mode = self._mode(decode)
+            if mode == "decoupled":  # step t + 1's drafts, beside this verification
+                self._launch_ahead(decode)
         if prefill is not None:
             start = self._stopwatch.mark()
             self._prepare(prefill)
@@ -389,27 +448,50 @@ class RolloutEngine:
         if decode is not None:
             self._run(decode)
         host = self._read_back(launches)  # the step's only device→host transfer
+        waited = 0.0
+        if self.lookahead is not None and decode is not None:
+            t_wait = self.clock()
+            try:
+                self.lookahead.collect()  # the worker is done before proposers observe
+            except DrafterError as exc:
+                self._drafter_failed(exc)
+                raise
+            waited = self.clock() - t_wait
         finished: list[Result] = []
         for launch, values in zip(launches, host, strict=True):
             finished += self._apply(launch, values)
+        if self.lookahead is not None and decode is not None:
+            appended = [
+                toks[: n + 1]
+                for toks, n in zip(host[-1]["tokens"], host[-1]["num_accepted"], strict=True)
+            ]
+            self.lookahead.settle(decode.seqs, appended)
         if finished:
             self._compact()
         seconds = self.clock() - t0
+        live = len(decode.seqs) if decode is not None else 0
+        live += len(admitted)
+        drafting = sum(1 for n in decode.num_rows if n > 1) if decode is not None else 0
         for c in self._counting():
             c.steps += 1
             c.seconds += seconds
+            if c.wave is not None:
+                c.wave.append((live, drafting))
         if decode is not None:
             # a step that compiled a graph took seconds of compilation: no timing sample
             timed = graphs == self.compiled_graphs
             target = None
             if timed:
                 # the target's decode share of the step: without the prefill and the drafting
-                target = seconds - sum(call[3] for call in decode.draft_calls)
+                target = seconds - sum(call[3] for call in decode.draft_calls) - waited
                 if prefill is not None:
                     target -= self._stopwatch.seconds(start, stop)
             padded = len(decode.seqs) * max(decode.num_rows)
             tokens = sum(decode.num_rows)
             self.controller.record_step(tokens, padded, target, len(decode.seqs))
+            if self.mode_choice is not None and mode is not None and timed:
+                emitted = sum(n + 1 for n in host[-1]["num_accepted"])
+                self.mode_choice.record(len(decode.seqs), mode, emitted, seconds)
             self._learn(decode, host[-1], timed)
         return finished
 
@@ -480,6 +562,8 @@ class RolloutEngine:
                 caps[b] = min(arm.k, seq.params.max_tokens - seq.num_output - 1)
                 asked.setdefault(arm.proposer, []).append(b)
             for name, idx in asked.items():  # cap 0 included: a proposer may batch them along
+                if self.lookahead is not None:  # drafted ahead during the previous step
+                    idx = self._take_ahead(name, seqs, idx, caps, drafts)
                 if not any(caps[b] for b in idx):
                     continue
                 batch = [seqs[b] for b in idx]
@@ -507,6 +591,53 @@ class RolloutEngine:
             num_rows=[len(d.tokens) + 1 for d in drafts],
             draft_calls=draft_calls,
         )
+
+    def _take_ahead(
+        self, name: str, seqs: list[SeqState], idx: list[int], caps: list[int], drafts: list[Draft]
+    ) -> list[int]:
+        """Fill ``drafts`` from the ahead drafts ``name`` made for these sequences; returns the
+        indices still to draft (coupled)."""
+        assert self.lookahead is not None
+        rest = []
+        for b in idx:
+            ahead = self.lookahead.take(seqs[b], name) if caps[b] > 0 else None
+            if ahead is None:
+                rest.append(b)
+            else:
+                drafts[b] = self._checked(name, ahead, caps[b])
+        return rest
+
+    def _mode(self, decode: _Launch) -> str | None:
+        """This speculative step's drafting mode, None for a plain step (or no worker)."""
+        if self.lookahead is None or all(arm is None for arm in decode.arms):
+            return None
+        if self.mode_choice is None:
+            return "decoupled"
+        return self.mode_choice.choose(len(decode.seqs))
+
+    def _launch_ahead(self, decode: _Launch) -> None:
+        """Hand the worker this step's sequences with their drafts assumed accepted; each asks
+        the arm's k for the next step, within max_tokens."""
+        assert self.lookahead is not None
+        names: list[str | None] = []
+        ks: list[int] = []
+        for seq, arm, d in zip(decode.seqs, decode.arms, decode.drafts, strict=True):
+            left = seq.params.max_tokens - seq.num_output - len(d.tokens) - 1
+            k = min(arm.k, left - 1) if arm is not None and d.tokens else 0
+            names.append(arm.proposer if k > 0 else None)
+            ks.append(max(k, 0))
+        self.lookahead.launch(self.proposers, decode.seqs, names, decode.drafts, ks)
+
+    def _drafter_failed(self, exc: DrafterError) -> None:
+        """The decoupled drafter raised, died or hung: fail the requests the engine holds
+        (:meth:`abort`) and decode coupled from now on (a warning says so)."""
+        assert self.lookahead is not None
+        self.lookahead.abandon()
+        self.lookahead.worker.close()
+        self.lookahead = None
+        held = {s.request_id for s in (*self._running, *self._waiting)}
+        self.abort(sorted(held))
+        log.warning("%s; later requests draft coupled (decoupled drafting is off)", exc)
 
     def _backlog(self, seqs: list[SeqState], only: str | None = None) -> dict[str, int]:
         """Positions each proposer (with a ``backlog`` method) has queued for ``seqs``."""
@@ -884,6 +1015,8 @@ class RolloutEngine:
         self._free_slots.append(seq.slot)
         for p in self.proposers.values():
             p.release(seq)
+        if self.lookahead is not None:
+            self.lookahead.release(seq)
         for c in self._counting():
             c.finished += 1
         self._open[seq.request_id] -= 1
@@ -976,9 +1109,13 @@ class RolloutEngine:
     ) -> None:
         """Load new policy and/or draft weights in place; ``version`` defaults to previous + 1.
 
-        Raises :class:`~specrl.errors.CheckpointError` when ``policy`` does not match the model
-        and :class:`~specrl.errors.ConfigError` when ``draft`` is given but no proposer has
-        weights.  Arms the stale-draft alarm for every proposer with weights.
+        Everything given is validated before anything is copied
+        (:func:`~specrl.rollout.weights.plan_update`): raises
+        :class:`~specrl.errors.CheckpointError`, with every weight and version unchanged, when
+        ``policy`` or ``draft`` does not match (names, shapes, dtypes, finite values, the
+        draft's vocabulary map), and :class:`~specrl.errors.ConfigError` when ``draft`` is
+        given but no proposer has weights.  Arms the stale-draft alarm for every proposer with
+        weights.
         """
         if policy is None and draft is None:
             raise ValueError("update_weights needs policy and/or draft weights")
@@ -988,8 +1125,16 @@ class RolloutEngine:
                 "draft weights given, but no proposer of this engine has weights "
                 f"(proposers: {', '.join(self.proposers) or 'none'})"
             )
+        # validated completely (names, shapes, dtypes, finite values, vocabulary maps) before
+        # anything is replaced: a refused update leaves every weight and version as it was
+        copies = self._policy_copies(policy) if policy is not None else []
+        if draft is not None:
+            for p in weighted:
+                check = getattr(p, "check_weights", None)
+                if check is not None:
+                    check(draft)
         if policy is not None:
-            self._load_policy(policy)
+            apply_update(copies)
             self.policy_version = version if version is not None else self.policy_version + 1
         if draft is not None:
             for p in weighted:
@@ -1000,26 +1145,12 @@ class RolloutEngine:
             self.policy_version,
         )
 
-    def _load_policy(self, state: Mapping[str, torch.Tensor]) -> None:
-        own = self.model.state_dict()
+    def _policy_copies(self, state: Mapping[str, torch.Tensor]) -> list:
+        """The validated copies of a policy update (:func:`~specrl.rollout.weights.plan_update`;
+        a tied ``lm_head.weight`` is the embedding, so it is optional and not copied)."""
         tied = self.model.config.tie_word_embeddings
-        expected = set(own) - ({"lm_head.weight"} if tied else set())
-        given = set(state) - ({"lm_head.weight"} if tied else set())
-        missing, unexpected = sorted(expected - given), sorted(given - expected)
-        if missing or unexpected:
-            parts = [f"{len(missing)} missing (e.g. '{missing[0]}')"] if missing else []
-            if unexpected:
-                parts.append(f"{len(unexpected)} unexpected (e.g. '{unexpected[0]}')")
-            raise CheckpointError("policy weights do not match the model: " + ", ".join(parts))
-        for name in sorted(expected):
-            if tuple(state[name].shape) != tuple(own[name].shape):
-                raise CheckpointError(
-                    f"policy weight '{name}' has shape {tuple(state[name].shape)}, the model "
-                    f"needs {tuple(own[name].shape)}"
-                )
-        with torch.no_grad():
-            for name in sorted(expected):
-                own[name].copy_(state[name])
+        optional = ("lm_head.weight",) if tied else ()
+        return plan_update("policy", state, self.model.state_dict(), optional=optional)
 
     def _counting(self) -> tuple[Counters, ...]:
         """The counters a step adds to: the engine's, and the ``generate`` call's if one runs."""
@@ -1044,6 +1175,12 @@ class RolloutEngine:
             "gating": self.controller.to_dict(),
             "alarm_tau": dict(self.alarm.last),
             "alarm_armed": self.alarm.armed,
+            "decoupled": None
+            if self.lookahead is None
+            else {
+                **self.lookahead.to_dict(),
+                "modes": self.mode_choice.to_dict() if self.mode_choice is not None else None,
+            },
         }
 
     # ---------------------------------------------------------------------- resumable state

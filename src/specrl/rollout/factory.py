@@ -126,6 +126,8 @@ def spec_config(
         gate=speculation.gate,
         epsilon=speculation.epsilon,
         proposer_options=options,
+        decoupled=speculation.decoupled,
+        drafter_timeout=speculation.drafter_timeout,
     )
 
 

@@ -480,7 +480,7 @@ class ChainAcceptance:
 # Steps right after a switch between plain and speculative steps are no timing sample: they pay
 # the switch.  A speculative step after plain ones pays its drafter's catch-up (and cold caches)
 # once; plain steps after speculative ones can run slower for several steps
-# (``benchmarks/switch_settling.py``, CPU, toy targets at batch 1, plain steps after 40
+# (measured on CPU, toy targets at batch 1, plain steps after 40
 # speculative ones against a plain engine's step: the 1st +2 to +31 %, the 2nd to 4th −4 to
 # +11 % depending on the run, from the 5th on within the noise).  So a step is a sample once its
 # run of one kind is longer than SETTLE_STEPS[kind], and a probe runs past its settling.

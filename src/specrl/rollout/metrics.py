@@ -123,10 +123,13 @@ class Counters:
     alarms: int = 0  # stale-draft alarms raised
     spec: SpecStats = field(default_factory=SpecStats)  # every decode verification
     selections: Counter[str] = field(default_factory=Counter)  # arm → sequences it drafted for
+    # per engine step, only for one ``generate`` call (the shape of its rollout wave): the live
+    # batch (sequences prefilled or decoded in the step) and how many of them carried drafts
+    wave: list[tuple[int, int]] | None = None
 
     @classmethod
-    def for_proposers(cls, names: Sequence[str]) -> Counters:
-        return cls({name: SpecStats() for name in names})
+    def for_proposers(cls, names: Sequence[str], *, wave: bool = False) -> Counters:
+        return cls({name: SpecStats() for name in names}, wave=[] if wave else None)
 
     def to_dict(self) -> dict[str, Any]:
         forwards = self.prefill_forwards + self.decode_forwards
@@ -144,6 +147,7 @@ class Counters:
             "spec": self.spec.to_dict(),
             "proposers": {name: s.to_dict() for name, s in self.proposers.items()},
             "selections": {arm: n for arm, n in self.selections.items() if n},
+            "wave": None if self.wave is None else [list(w) for w in self.wave],
         }
 
 

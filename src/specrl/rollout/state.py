@@ -4,7 +4,9 @@ Resuming an RL run must replay speculation decisions exactly: with different dra
 consumes different random numbers, so even lossless sampling would produce different (equally
 distributed) tokens.  These objects are plain Python (numbers, containers, ``random.Random``,
 small specrl classes), so a tagged-JSON encoding restores them without pickle: objects are
-restored *in place* when they exist, and only specrl classes are ever re-created.
+restored *in place* when they exist, and only the classes named in :data:`RESTORABLE` are ever
+encoded or re-created — a checkpoint's JSON cannot make this module import or build anything
+else (say ``specrl.rollout.server.FastAPI``, which is FastAPI's class under a specrl name).
 """
 
 from __future__ import annotations
@@ -16,6 +18,37 @@ import random
 from collections import Counter, OrderedDict, deque
 from typing import Any
 
+from specrl.errors import CheckpointError
+
+# every class a snapshot may hold (engine decision state and proposer histories); a class not
+# listed is refused by snapshot() and restore() alike, so a new one fails its resume test at once
+RESTORABLE = frozenset(
+    {
+        "specrl.rollout.gating.Arm",
+        "specrl.rollout.gating.ChainAcceptance",
+        "specrl.rollout.gating.CostModel",
+        "specrl.rollout.gating.DraftCost",
+        "specrl.rollout.gating.EpsilonGreedy",
+        "specrl.rollout.gating.LengthModel",
+        "specrl.rollout.gating.RunningMean",
+        "specrl.rollout.gating.SpecController",
+        "specrl.rollout.gating.SpeculationGate",
+        "specrl.rollout.metrics.AcceptanceAlarm",
+        "specrl.rollout.metrics.Counters",
+        "specrl.rollout.metrics.SpecStats",
+        "specrl.rollout.metrics._Window",
+        "specrl.rollout.proposers.eagle3.TemperatureScale",
+        "specrl.rollout.proposers.ngram._TokenIndex",
+    }
+)
+
+
+def _path(cls: type) -> str:
+    path = f"{cls.__module__}.{cls.__qualname__}"
+    if path not in RESTORABLE:
+        raise TypeError(f"cannot snapshot {path}: not in specrl.rollout.state.RESTORABLE")
+    return path
+
 
 def snapshot(x: Any) -> Any:
     """Encode ``x`` as JSON-able data with type tags."""
@@ -26,7 +59,7 @@ def snapshot(x: Any) -> Any:
     if isinstance(x, list):
         return [snapshot(v) for v in x]
     if isinstance(x, tuple) and hasattr(x, "_fields") and type(x).__module__.startswith("specrl."):
-        path = f"{type(x).__module__}.{type(x).__qualname__}"  # a specrl NamedTuple (Arm)
+        path = _path(type(x))  # a specrl NamedTuple (Arm)
         return {"__namedtuple__": path, "values": [snapshot(v) for v in x]}
     if isinstance(x, tuple):
         return {"__tuple__": [snapshot(v) for v in x]}
@@ -46,17 +79,23 @@ def snapshot(x: Any) -> Any:
         return {"__map__": [[snapshot(k), snapshot(v)] for k, v in x.items()], "kind": kind}
     if hasattr(x, "__dict__") and type(x).__module__.startswith("specrl."):
         return {
-            "__obj__": f"{type(x).__module__}.{type(x).__qualname__}",
+            "__obj__": _path(type(x)),
             "attrs": {k: snapshot(v) for k, v in vars(x).items()},
         }
     raise TypeError(f"cannot snapshot {type(x).__name__}")
 
 
-def _class(path: str) -> type:
+def _class(path: Any) -> type:
+    if not isinstance(path, str) or path not in RESTORABLE:
+        raise CheckpointError(
+            f"engine state names {str(path)[:80]!r}, not a class engine state holds; refusing "
+            "to restore it (the checkpoint's JSON was altered or comes from elsewhere)"
+        )
     module, _, name = path.rpartition(".")
-    if not module.startswith("specrl."):
-        raise ValueError(f"refusing to create {path!r}: only specrl classes are restored")
-    return getattr(importlib.import_module(module), name)
+    cls = getattr(importlib.import_module(module), name)
+    if f"{cls.__module__}.{cls.__qualname__}" != path:  # a re-export, not the class itself
+        raise CheckpointError(f"engine state names {path!r}, which is not a class of its own")
+    return cls
 
 
 def _new(path: str) -> Any:

@@ -65,7 +65,7 @@ from specrl.train.batch import Sample
 from specrl.train.evaluate import evaluate
 from specrl.train.layout import TrainLayout, check_model, check_split, setup_distributed
 from specrl.train.metrics import MetricsWriter
-from specrl.train.parallelize import parallelize_policy
+from specrl.train.parallelize import check_backend, parallelize_policy
 from specrl.train.rundir import RunDirLock
 from specrl.train.state_io import (
     optimizer_from_flat,
@@ -99,6 +99,7 @@ class UnitClock:
 def check_recipe(recipe: Recipe, source: str) -> None:
     """One-line errors for checkpoints and drafters a recipe cannot have (before the layout)."""
     check_artifacts(recipe, source)
+    check_backend(recipe)
     spec = recipe.rollout.speculation
     if spec and "eagle3" in spec.proposers and recipe.draft.mode == "none":
         raise ConfigError(
@@ -356,7 +357,7 @@ class RLTrainer:
         t0 = time.perf_counter()
         counters: dict[str, float] = {}
         stats: dict[str, Any] = {}
-        samples = None
+        samples = results = None
         if self.engine is not None:
             requests = exp.rollout_requests(prompts, self.codec, r, self.recipe.run.seed, step)
             results = self.engine.generate(requests)
@@ -373,6 +374,7 @@ class RLTrainer:
         return {
             "step": step + 1,
             **exp.rollout_metrics(summed, stats, t_rollout),
+            **exp.wave_metrics(results),
             **upd,
             "time_rollout": t_rollout,
             "time_sync": t_sync,
@@ -505,9 +507,10 @@ class RLTrainer:
                 writer.close()
         try:
             if self.rank == 0 and tr.plots:
-                from specrl.train.plots import compare_siblings, plot_run
+                from specrl.train.plots import compare_siblings, plot_run, plot_waves
 
                 plot_run(self.run_dir)
+                plot_waves(self.run_dir)  # the live batch over a rollout wave, response lengths
                 compare_siblings(self.run_dir)  # co-trained vs frozen (vs none) when both exist
         finally:
             self.close()

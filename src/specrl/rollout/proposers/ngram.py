@@ -66,6 +66,9 @@ class NgramProposer:
     name = "ngram"
     tap_layers: tuple[int, ...] = ()
     state_attrs = ("_history",)  # persisted by RolloutEngine.state_dict (resumable runs)
+    # propose only reads the indexes and the sequence's tokens: decoupled drafting may call it
+    # on shadow sequences carrying drafts not yet verified (specrl.rollout.decoupled)
+    ahead_safe = True
 
     def __init__(
         self,
