@@ -160,8 +160,9 @@ def prepare_imports(wheels: Path | None, site: Path) -> dict[str, Any]:
                 done["wheels"]["error"] = proc.stderr.strip()[-500:]
         else:
             done["wheels"] = {"installed": [], "note": f"no .whl files in {wheels}"}
-    # scripts/ for the check modules; src/ only if specrl is not importable as installed
-    paths.append(str(SCRIPTS))
+    # scripts/ for the check modules, the checkout for benchmarks.harness; src/ only if specrl
+    # is not importable as installed from this checkout
+    paths += [str(SCRIPTS), str(REPO)]
     spec = importlib.util.find_spec("specrl")
     if spec is not None and spec.origin and Path(spec.origin).resolve().is_relative_to(REPO):
         done["specrl"] = "installed from this checkout"
@@ -201,6 +202,7 @@ def run_child(
     out = Path(args.out)
     path = out / f"{check.name}.json"
     path.unlink(missing_ok=True)
+    partial_path(out, check.name).unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", check.name,
            "--out", str(out), "--device", args.device, "--limit-s", f"{limit:.1f}"]  # fmt: skip
     if args.dry_run:
@@ -218,18 +220,37 @@ def run_child(
             proc.wait()
             rc = None
     seconds = time.monotonic() - t0
-    text = log.read_text(errors="replace")
-    if path.is_file():
-        res = json.loads(path.read_text())
-    elif rc is None:
-        res = result("failed", f"timeout: stopped at its limit of {limit:.0f} s", log=_tail(text))
-    else:
-        res = result("failed", f"exit code {rc} without a result", log=_tail(text))
-    if rc not in (0, None) and res["status"] == "ok":
-        res = result("failed", f"exit code {rc} after writing its result", log=_tail(text))
+    res = outcome(rc, path, partial_path(out, check.name), limit, log.read_text(errors="replace"))
     res["seconds"] = round(seconds, 2)
     res["limit_s"] = round(limit, 1)
     return res
+
+
+def partial_path(out: Path, name: str) -> Path:
+    """Where a running check keeps the figures it has so far (hidden: not archived)."""
+    return out / f".{name}.partial.json"
+
+
+def outcome(rc: int | None, path: Path, partial: Path, limit: float, text: str) -> dict[str, Any]:
+    """A check's result from its process: its result file, else a failure (``rc`` None: killed
+    at ``limit``) that keeps the figures and tables of its last partial result."""
+    if path.is_file():
+        res = json.loads(path.read_text())
+        if rc not in (0, None) and res["status"] == "ok":
+            res = result("failed", f"exit code {rc} after writing its result", log=_tail(text))
+        return res
+    kept = json.loads(partial.read_text()) if partial.is_file() else {}
+    reason = f"timeout: stopped at its limit of {limit:.0f} s" if rc is None else (
+        f"exit code {rc} without a result")  # fmt: skip
+    if kept:
+        reason += " (the figures measured before are kept)"
+    return result(
+        "failed",
+        reason,
+        figures=kept.get("figures", {}),
+        tables=kept.get("tables", []),
+        log=_tail(text),
+    )
 
 
 def summarize(out: Path, meta: dict[str, Any], results: dict[str, dict[str, Any]]) -> None:
@@ -333,6 +354,7 @@ def run_all(args: argparse.Namespace) -> int:
 class Ctx:
     """What a check's function gets: the device, dry run or not, its folder and its limit."""
 
+    name: str
     device: str
     dry_run: bool
     out: Path
@@ -341,6 +363,11 @@ class Ctx:
 
     def left(self) -> float:
         return self.limit_s - (time.monotonic() - self.started)
+
+    def partial(self, figures: dict[str, Any], tables: list[dict[str, Any]]) -> None:
+        """Keep what is measured so far: a check stopped at its limit still reports it."""
+        text = json.dumps({"figures": figures, "tables": tables})
+        write_atomic(partial_path(self.out, self.name), text)
 
 
 def _check_function(name: str) -> Callable[[Ctx], dict[str, Any]]:
@@ -353,7 +380,7 @@ def run_one(args: argparse.Namespace) -> int:
     """The child process: run one check, write its JSON (a failure is a result too)."""
     import traceback
 
-    ctx = Ctx(args.device, args.dry_run, Path(args.out), args.limit_s, time.monotonic())
+    ctx = Ctx(args.child, args.device, args.dry_run, Path(args.out), args.limit_s, time.monotonic())
     path = ctx.out / f"{args.child}.json"
     try:
         res = _check_function(args.child)(ctx)
