@@ -160,8 +160,9 @@ def prepare_imports(wheels: Path | None, site: Path) -> dict[str, Any]:
                 done["wheels"]["error"] = proc.stderr.strip()[-500:]
         else:
             done["wheels"] = {"installed": [], "note": f"no .whl files in {wheels}"}
-    # scripts/ for the check modules; src/ only if specrl is not importable as installed
-    paths.append(str(SCRIPTS))
+    # scripts/ for the check modules, the checkout for benchmarks.harness; src/ only if specrl
+    # is not importable as installed from this checkout
+    paths += [str(SCRIPTS), str(REPO)]
     spec = importlib.util.find_spec("specrl")
     if spec is not None and spec.origin and Path(spec.origin).resolve().is_relative_to(REPO):
         done["specrl"] = "installed from this checkout"
