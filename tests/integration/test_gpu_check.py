@@ -62,6 +62,12 @@ def test_dry_run_reports_every_check(dry_run) -> None:
         assert (out / f"{name}.md").read_text().startswith(f"## {name}: {c['status']}")
     md = (out / "summary.md").read_text()
     assert all(f"| {name} | {c['status']} |" in md for name, c in checks.items())
+    # every open target is set against its figure, measured here (tiny shapes: any value)
+    goals = {g["figure"]: g for g in summary["targets"]}
+    assert set(goals) == {f"{c}.{f}" for c, f, *_ in gpu_check.TARGETS}
+    for g in goals.values():
+        assert isinstance(g["value"], float) and isinstance(g["met"], bool), g
+    assert "**open targets (dry run" in md
 
 
 def test_dry_run_measures_on_cpu(dry_run) -> None:
