@@ -27,8 +27,18 @@ free-taps step, relative to the draft-free step (the same quantity end to end, b
 shared machine); tap bytes per step, next to the pipeline's own activation + gradient bytes.
 The draft's compute does not add to the step in full: part of it fills the last stage's bubbles.
 
+Megatron-core (``--backends``, needs ``pip install 'specrl[megatron]'``): the same shape and
+taps as RL updates (``forward_backward`` of a :class:`~specrl.train.strategy.PolicyStrategy`
+over 16 samples of 48–64 tokens in 4 microbatches), in a second spawned world, interleaved:
+specrl's native pipeline (``PipelineStrategy``, packed microbatches of 256 tokens) and
+:class:`~specrl.integrations.megatron.strategy.MegatronStrategy` (Megatron's 1F1B over [4, 64]
+right-padded rows), each without the draft and co-training it over TapChannel.  Reported: step
+time side by side, and TapChannel's share of the Megatron step (sends + waits on both ranks over
+the draft-free Megatron step; target ≤ 5 %).
+
     python -m benchmarks.tap_channel          # table + benchmarks/results/tap_channel.json
     python -m benchmarks.tap_channel --quick --markdown
+    python -m benchmarks.tap_channel --only backends --markdown   # the Megatron table alone
 """
 
 from __future__ import annotations
@@ -222,6 +232,124 @@ def _measure(rank: int, world: int, variants: list[str], repeats: int) -> dict:
     return {v: {k: [r[k] for r in rs] for k in rs[0]} if rs else {} for v, rs in runs.items()}
 
 
+BACKEND_VARIANTS = ["native, no draft", "native, tapchannel", "megatron, no draft",
+                    "megatron, tapchannel"]  # fmt: skip
+SAMPLES, SEQ = 16, 64
+
+
+def _samples(seed: int) -> list:
+    from specrl.train.batch import Sample
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(SAMPLES):
+        n = int(torch.randint(48, SEQ + 1, (1,), generator=gen))
+        p = int(torch.randint(8, 17, (1,), generator=gen))
+        ids = torch.randint(0, VOCAB, (n,), generator=gen).tolist()
+        old = (-torch.rand(n - p, generator=gen)).tolist()
+        out.append(Sample(ids[:p], ids[p:], old, float(torch.randn(1, generator=gen))))
+    return out
+
+
+def _strategy(layout, variant: str):
+    from specrl.integrations.megatron.strategy import MegatronStrategy
+    from specrl.train.pipeline_cotrain import PipelineStrategy
+    from specrl.train.strategy import Objective
+
+    policy, draft = _models()
+    obj = Objective(1.0, 0.2, 0.28, 0.0, TTT_STEPS, "ce", 0.8, 1.0, "ring")
+    trained = None if variant.endswith("no draft") else draft
+    per_mb = SAMPLES // MICROBATCHES
+    if variant.startswith("native"):
+        return PipelineStrategy(
+            policy,
+            layout,
+            obj,
+            schedule="1f1b",
+            num_microbatches=MICROBATCHES,
+            microbatch_tokens=per_mb * SEQ,
+            draft=trained,
+        )
+    return MegatronStrategy(
+        policy,
+        layout,
+        obj,
+        schedule="1f1b",
+        num_microbatches=MICROBATCHES,
+        micro_batch_size=per_mb,
+        seq_length=SEQ,
+        draft=trained,
+        tap_layers=TAPS if trained is not None else (),
+    )
+
+
+def _tap_stats(strategy) -> TapStats:
+    stats = getattr(strategy, "tap_stats", None)  # Megatron
+    if stats is None and hasattr(strategy, "pipeline"):  # native: the cotrainer's channel
+        channel = strategy.pipeline.channel
+        stats = channel.stats if channel is not None else None
+    return stats or TapStats()
+
+
+def _measure_backends(rank: int, world: int, variants: list[str], repeats: int) -> dict:
+    from specrl.train.layout import TrainLayout
+
+    dims = ParallelDims(world_size=world, pp=2)
+    layout = TrainLayout(dims, dims.build_groups(), rank)
+    strategies = {v: _strategy(layout, v) for v in variants}  # Megatron's state is shared
+
+    def step(variant: str, rep: int) -> dict[str, float]:
+        batch = _samples(rep + 1)
+        strategy = strategies[variant]
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = strategy.forward_backward(batch, draft=None if "no draft" in variant else "train")
+        wall = time.perf_counter() - t0
+        tap = _tap_stats(strategy) if "tapchannel" in variant else TapStats()
+        return {
+            "step": wall,
+            "draft": out.draft_seconds,
+            "channel": tap.send_seconds + tap.wait_seconds,
+            "bytes": tap.bytes_sent + tap.bytes_received,
+            "policy_loss": out.policy_loss,
+        }
+
+    runs = harness.interleave(variants, repeats, step, warmup=1)
+    return {v: {k: [r[k] for r in rs] for k in rs[0]} for v, rs in runs.items()}
+
+
+BACKEND_COLUMNS = (
+    "variant", "step_ms", "vs_native", "draft_compute_ms", "channel_ms", "channel_pct",
+    "tap_bytes_per_step", "policy_loss",
+)  # fmt: skip
+
+
+def _backend_rows(repeats: int) -> list[dict]:
+    per_rank = spawn(_measure_backends, 2, BACKEND_VARIANTS, repeats, timeout=1800, threads=1)
+    worst = lambda v, key: [max(x) for x in zip(*(r[v][key] for r in per_rank), strict=True)]
+    both = lambda v, key: [sum(x) for x in zip(*(r[v][key] for r in per_rank), strict=True)]
+    med = lambda xs: round(harness.median(xs), 3)
+    rows = []
+    for v in BACKEND_VARIANTS:
+        backend, _ = v.split(", ")
+        base = worst(f"{backend}, no draft", "step")
+        native = worst(f"native, {v.split(', ')[1]}", "step")
+        rows.append(
+            {
+                "variant": v,
+                "step_ms": med(x * 1e3 for x in worst(v, "step")),
+                "vs_native": round(harness.paired_ratio(worst(v, "step"), native), 3),
+                "draft_compute_ms": med(x * 1e3 for x in worst(v, "draft")),
+                "channel_ms": med(x * 1e3 for x in both(v, "channel")),
+                # time inside TapChannel on both ranks over this backend's draft-free step
+                "channel_pct": round(100 * harness.paired_ratio(both(v, "channel"), base), 2),
+                "tap_bytes_per_step": sum(r[v]["bytes"][0] for r in per_rank) // 2,
+                "policy_loss": round(per_rank[1][v]["policy_loss"][0], 6),
+            }
+        )
+    return rows
+
+
 def _naive_deadlocks(rank: int, world: int) -> dict:
     out = _measure(rank, world, ["blocking hooks"], 1)
     return {"completed": bool(out["blocking hooks"])}
@@ -236,9 +364,35 @@ COLUMNS = (
 def main() -> None:
     ap = harness.parser(__doc__, "tap_channel", repeats=15, threads=False, clock=False)
     ap.add_argument("--deadlock-timeout", type=float, default=30.0)
+    ap.add_argument(
+        "--only", choices=["native", "backends"], default=None,
+        help="run one section: the native transports, or native vs Megatron-core",
+    )  # fmt: skip
     args = ap.parse_args()
     harness.configure(ap, args)
     repeats = 2 if args.quick else args.repeats
+    tables, payload = [], {}
+    if args.only != "backends":
+        tables, payload = _native_section(args, repeats)
+    if args.only != "native":
+        try:
+            import megatron.core  # noqa: F401
+        except ImportError:
+            print("megatron-core is not installed: pip install 'specrl[megatron]' for its table")
+        else:
+            rows = _backend_rows(repeats)
+            title = (
+                f"native vs Megatron-core, pp=2 gloo CPU fp32 1F1B, {SAMPLES} samples of 48–{SEQ} "
+                f"tokens in {MICROBATCHES} microbatches, taps {TAPS}, TTT steps {TTT_STEPS}, "
+                f"median of {repeats}; channel_pct: TapChannel time (both ranks) over the "
+                "backend's draft-free step"
+            )
+            tables.append((title, rows, BACKEND_COLUMNS))
+            payload["backends"] = {"samples": SAMPLES, "seq_length": SEQ, "rows": rows}
+    harness.report(args, tables, payload)
+
+
+def _native_section(args, repeats: int):
     variants = ["no draft", "draft, free taps", "tapchannel", "blocking hooks, pre-posted"]
     per_rank = spawn(_measure, 2, variants, repeats, timeout=1200, threads=1)
     worst = lambda v, key: [max(x) for x in zip(*(r[v][key] for r in per_rank), strict=True)]
@@ -299,7 +453,7 @@ def main() -> None:
         "policy_loss_identical": same,
         "rows": rows,
     }
-    harness.report(args, [(title, shown, COLUMNS)], payload)
+    return [(title, shown, COLUMNS)], payload
 
 
 if __name__ == "__main__":

@@ -6,9 +6,8 @@
 
 A GPU machine may be lent for minutes only, starting cold, so this script is prepared to turn
 those minutes into every figure the open targets wait for.  It first makes specrl importable
-from this checkout without a package registry (the installed package, else
-``pip install --no-deps --no-build-isolation --no-index -e .``, else ``PYTHONPATH=src``; wheels
-carried in ``--wheels DIR`` are installed with ``--no-index`` first), then runs the checks in
+from this checkout without a package registry (as installed from it, else ``PYTHONPATH=src``;
+wheels carried in ``--wheels DIR`` are installed with ``--no-index`` first), then runs the checks in
 order, each in its own process with its own time limit:
 
 - ``env``: versions, the device, which optional backends import (``specrl env``'s report);
@@ -161,27 +160,18 @@ def prepare_imports(wheels: Path | None, site: Path) -> dict[str, Any]:
                 done["wheels"]["error"] = proc.stderr.strip()[-500:]
         else:
             done["wheels"] = {"installed": [], "note": f"no .whl files in {wheels}"}
-    # scripts/ for the check modules; src/ only if specrl is not importable as installed
-    paths.append(str(SCRIPTS))
+    # scripts/ for the check modules, the checkout for benchmarks.harness; src/ only if specrl
+    # is not importable as installed from this checkout
+    paths += [str(SCRIPTS), str(REPO)]
     spec = importlib.util.find_spec("specrl")
     if spec is not None and spec.origin and Path(spec.origin).resolve().is_relative_to(REPO):
         done["specrl"] = "installed from this checkout"
     elif spec is not None:  # another checkout's: this one's sources go first
         paths.append(str(REPO / "src"))
         done["specrl"] = "PYTHONPATH=src (the installed specrl is another checkout's)"
-    else:
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-               "--no-build-isolation", "--no-index", "-e", str(REPO)]  # fmt: skip
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-            ok = proc.returncode == 0
-        except (subprocess.TimeoutExpired, OSError):
-            ok = False
-        if ok:
-            done["specrl"] = "pip install --no-deps --no-build-isolation --no-index -e ."
-        else:
-            paths.append(str(REPO / "src"))
-            done["specrl"] = "PYTHONPATH=src (pip install -e . did not work without a registry)"
+    else:  # not installed: the sources as they are (no registry, nothing to build)
+        paths.append(str(REPO / "src"))
+        done["specrl"] = "PYTHONPATH=src (not installed)"
     env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -212,6 +202,7 @@ def run_child(
     out = Path(args.out)
     path = out / f"{check.name}.json"
     path.unlink(missing_ok=True)
+    partial_path(out, check.name).unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", check.name,
            "--out", str(out), "--device", args.device, "--limit-s", f"{limit:.1f}"]  # fmt: skip
     if args.dry_run:
@@ -229,18 +220,58 @@ def run_child(
             proc.wait()
             rc = None
     seconds = time.monotonic() - t0
-    text = log.read_text(errors="replace")
-    if path.is_file():
-        res = json.loads(path.read_text())
-    elif rc is None:
-        res = result("failed", f"timeout: stopped at its limit of {limit:.0f} s", log=_tail(text))
-    else:
-        res = result("failed", f"exit code {rc} without a result", log=_tail(text))
-    if rc not in (0, None) and res["status"] == "ok":
-        res = result("failed", f"exit code {rc} after writing its result", log=_tail(text))
+    res = outcome(rc, path, partial_path(out, check.name), limit, log.read_text(errors="replace"))
     res["seconds"] = round(seconds, 2)
     res["limit_s"] = round(limit, 1)
     return res
+
+
+def partial_path(out: Path, name: str) -> Path:
+    """Where a running check keeps the figures it has so far (hidden: not archived)."""
+    return out / f".{name}.partial.json"
+
+
+def outcome(rc: int | None, path: Path, partial: Path, limit: float, text: str) -> dict[str, Any]:
+    """A check's result from its process: its result file, else a failure (``rc`` None: killed
+    at ``limit``) that keeps the figures and tables of its last partial result."""
+    if path.is_file():
+        res = json.loads(path.read_text())
+        if rc not in (0, None) and res["status"] == "ok":
+            res = result("failed", f"exit code {rc} after writing its result", log=_tail(text))
+        return res
+    kept = json.loads(partial.read_text()) if partial.is_file() else {}
+    reason = f"timeout: stopped at its limit of {limit:.0f} s" if rc is None else (
+        f"exit code {rc} without a result")  # fmt: skip
+    if kept:
+        reason += " (the figures measured before are kept)"
+    return result(
+        "failed",
+        reason,
+        figures=kept.get("figures", {}),
+        tables=kept.get("tables", []),
+        log=_tail(text),
+    )
+
+
+# the open speed targets: (check, figure, comparison, bound, what it means)
+TARGETS = (
+    ("rollout", "b1_speedup", ">=", 2.0, "rollout best-of-N / plain at batch 1"),
+    ("rollout", "b64_speedup", ">=", 0.95, "rollout best-of-N / plain at batch 64 (gated)"),
+    ("rl_step", "projected_step_cotrain_over_none", "<=", 0.75,
+     "RL step cotrain / none (projected with the rollout speedup)"),
+    ("rl_step", "draft_over_policy_update", "<=", 0.10, "draft update / policy update"),
+)  # fmt: skip
+
+
+def targets(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each open target against the figure that measures it (None: not measured in this run)."""
+    out = []
+    for check, figure, op, bound, what in TARGETS:
+        value = results.get(check, {}).get("figures", {}).get(figure)
+        met = None if value is None else value >= bound if op == ">=" else value <= bound
+        out.append({"target": what, "figure": f"{check}.{figure}", "need": f"{op} {bound}",
+                    "value": value, "met": met})  # fmt: skip
+    return out
 
 
 def summarize(out: Path, meta: dict[str, Any], results: dict[str, dict[str, Any]]) -> None:
@@ -248,7 +279,9 @@ def summarize(out: Path, meta: dict[str, Any], results: dict[str, dict[str, Any]
     checks = []
     for name, res in results.items():
         checks.append({"name": name, **res})
-    write_atomic(out / "summary.json", json.dumps({"meta": meta, "checks": checks}, indent=2))
+    goals = targets(results)
+    payload = {"meta": meta, "checks": checks, "targets": goals}
+    write_atomic(out / "summary.json", json.dumps(payload, indent=2))
     rows = [[c["name"], c["status"], c["reason"], c.get("seconds"), c.get("limit_s")]
             for c in checks]  # fmt: skip
     lines = [
@@ -260,6 +293,24 @@ def summarize(out: Path, meta: dict[str, Any], results: dict[str, dict[str, Any]
         f"- specrl import: {meta['setup'].get('specrl')}",
         "",
         markdown_table(table("checks", ["check", "status", "reason", "seconds", "limit s"], rows)),
+        "",
+        markdown_table(
+            table(
+                "open targets"
+                + (" (dry run: tiny shapes, the figures say nothing)" if meta["dry_run"] else ""),
+                ["target", "figure", "need", "value", "met"],
+                [
+                    [
+                        g["target"],
+                        g["figure"],
+                        g["need"],
+                        g["value"],
+                        "not measured" if g["met"] is None else "met" if g["met"] else "not met",
+                    ]
+                    for g in goals
+                ],
+            )
+        ),
         "",
     ]
     for name, res in results.items():
@@ -278,19 +329,6 @@ def archive(out: Path, dest: Path) -> None:
     with tarfile.open(tmp, "w:gz") as tar:
         tar.add(out, arcname=out.name, filter=_visible)
     os.replace(tmp, dest)
-
-
-def _device_name(env: dict[str, str], device: str) -> str:
-    if device == "cpu":
-        return "cpu"
-    code = "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
-        )
-        return proc.stdout.strip() or "no CUDA device"
-    except subprocess.TimeoutExpired:
-        return "unknown (torch did not answer within 60 s)"
 
 
 def run_all(args: argparse.Namespace) -> int:
@@ -313,7 +351,7 @@ def run_all(args: argparse.Namespace) -> int:
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "device": args.device,
-        "device_name": _device_name(env, args.device),
+        "device_name": args.device,  # the env check names the device
         "budget_s": args.budget_s,
         "dry_run": args.dry_run,
         "setup": setup["done"],
@@ -332,6 +370,9 @@ def run_all(args: argparse.Namespace) -> int:
                   flush=True)  # fmt: skip
             res = run_child(check, min(cap, left), args, env)
         results[check.name] = res
+        devices = res.get("details", {}).get("devices") if check.name == "env" else None
+        if devices:
+            meta["device_name"] = devices[0]["name"]
         failed |= res["status"] == "failed"
         write_atomic(out / f"{check.name}.md", check_markdown(check.name, res))
         write_atomic(out / f"{check.name}.json", json.dumps(res, indent=2))
@@ -354,6 +395,7 @@ def run_all(args: argparse.Namespace) -> int:
 class Ctx:
     """What a check's function gets: the device, dry run or not, its folder and its limit."""
 
+    name: str
     device: str
     dry_run: bool
     out: Path
@@ -362,6 +404,11 @@ class Ctx:
 
     def left(self) -> float:
         return self.limit_s - (time.monotonic() - self.started)
+
+    def partial(self, figures: dict[str, Any], tables: list[dict[str, Any]]) -> None:
+        """Keep what is measured so far: a check stopped at its limit still reports it."""
+        text = json.dumps({"figures": figures, "tables": tables})
+        write_atomic(partial_path(self.out, self.name), text)
 
 
 def _check_function(name: str) -> Callable[[Ctx], dict[str, Any]]:
@@ -374,7 +421,7 @@ def run_one(args: argparse.Namespace) -> int:
     """The child process: run one check, write its JSON (a failure is a result too)."""
     import traceback
 
-    ctx = Ctx(args.device, args.dry_run, Path(args.out), args.limit_s, time.monotonic())
+    ctx = Ctx(args.child, args.device, args.dry_run, Path(args.out), args.limit_s, time.monotonic())
     path = ctx.out / f"{args.child}.json"
     try:
         res = _check_function(args.child)(ctx)

@@ -5,8 +5,9 @@ random-init target and random-init EAGLE-3 draft — GPU: the Llama-1B shape, bf
 run: toy-tiny — with ``draft.mode: cotrain`` (eagle3 + ngram drafters, the draft trained on
 every policy forward) and ``draft.mode: none`` (plain decoding), advanced one step each in
 turn: a warm-up step, then the measured ones.  Figures are the trainer's own per-step times
-(``time_rollout``, ``time_policy_update``, ``time_draft_update``, ``time_sync``, host clocks
-around each phase) and the whole step between device synchronisations.
+(``time_rollout``, ``time_policy_update``, ``time_draft_update``, ``time_sync``: host clocks
+around each phase, which this check makes synchronise the device first, so each phase's queued
+kernels count in that phase and not in the next) and the whole step between synchronisations.
 
 A random draft is not accepted by a random target (τ ≈ 1, the gate turns speculation off), so
 this check measures what co-training *costs* — the draft update against the policy update, the
@@ -30,6 +31,32 @@ import yaml
 from gpu_check import Ctx, result, table
 
 MODES = ("cotrain", "none")
+
+
+class SyncedTime:
+    """The ``time`` module as the trainer's modules see it during the check: ``perf_counter``
+    synchronises the device first (phase boundaries only: a few syncs per step)."""
+
+    def __init__(self, sync) -> None:
+        self._sync = sync
+
+    def perf_counter(self) -> float:
+        self._sync()
+        return time.perf_counter()
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+def synced_phase_clocks(sync) -> None:
+    """Make the trainer's phase timers (``specrl.train.loop``, ``.strategy``) device-synced."""
+    import specrl.train.loop as loop
+    import specrl.train.strategy as strategy
+
+    for module in (loop, strategy):
+        module.time = SyncedTime(sync)
+
+
 KEYS = ("time_rollout", "time_policy_update", "time_draft_update", "time_sync")
 
 
@@ -99,6 +126,7 @@ def _measure(ctx: Ctx, base: Path, cfg, dtype: str, sizes: dict[str, int]) -> di
     from specrl.train.loop import build_trainer
 
     sync = torch.cuda.synchronize if ctx.device == "cuda" else (lambda: None)
+    synced_phase_clocks(sync)
     trainers, gens = {}, {}
     for mode in MODES:
         path = base / f"{mode}.yaml"

@@ -18,19 +18,20 @@ random-init target; the check therefore replays a *measured* acceptance profile,
 
 Per batch size B (1, 8, 64), ``specrl plain`` and ``specrl best-of-N`` (the bandit over
 ``eagle3_replay`` and ``ngram``, k ≤ 4, behind the batch-size gate) decode B random prompts at
-temperature 1, after a warm-up generate on other prompts, in rounds whose order alternates; the
-speedup is the median over rounds of best-of-N's tokens/s over plain's in the same round.
+temperature 1, after a warm-up round on other prompts, in rounds whose order rotates
+(``benchmarks/harness.py``'s ``interleave``); the speedup is the median over rounds of
+best-of-N's tokens/s over plain's in the same round (``harness.paired_ratio``).
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from benchmarks import harness
 from gpu_check import REPO, Ctx, result, table
 
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
@@ -40,6 +41,8 @@ from specrl.rollout.proposers.eagle3 import Eagle3Proposer
 PROFILE = REPO / "benchmarks" / "results" / "studies" / "draft_temperature.json"
 PROFILE_ROW = {"target": "runs/toy/target", "scale": "auto"}
 MAX_K = 4  # the profile's drafts were at most 4 long
+COLUMNS = ["batch", "variant", "tok/s", "vs plain", "τ", "acceptance", "replay per position",
+           "spec step share", "selections"]  # fmt: skip
 
 
 def conditional_profile(per_position: list[float]) -> list[float]:
@@ -64,6 +67,9 @@ class ReplayProposer(Eagle3Proposer):
     docstring); the draft's own forwards run as usual, so its cost is the real one."""
 
     name = "eagle3_replay"
+    # drafting ahead (specrl.rollout.decoupled) would continue chains at other positions than
+    # the profile's: this proposer stays coupled
+    propose_ahead = None
 
     def __init__(self, draft, ctx: ProposerContext, *, alphas: list[float], max_k: int = 16):
         super().__init__(draft, ctx, max_k=max_k, temperature_scale=1.0)
@@ -167,18 +173,16 @@ def run(ctx: Ctx) -> dict[str, Any]:
                                 max_model_len=prompt_len + max_tokens + MAX_K + 2)
             for name, spec in specs.items()
         }  # fmt: skip
-        for i, e in enumerate(engines.values()):  # warm-up: allocations, gate, bandit
-            _generate(e, _prompts(b, prompt_len, cfg.vocab_size, 100 + i), max_tokens, 0, sync)
-        runs: dict[str, list[dict]] = {n: [] for n in engines}
-        for r in range(rounds):
-            order = list(engines) if r % 2 == 0 else list(reversed(engines))
-            prompts = _prompts(b, prompt_len, cfg.vocab_size, 1 + r)
-            for name in order:
-                runs[name].append(_generate(engines[name], prompts, max_tokens, r + 1, sync))
+
+        def run_variant(name: str, rep: int, b: int = b, engines: dict = engines) -> dict:
+            # rep < 0: the warm-up round (allocations, the gate's cost model, the bandit), on
+            # other prompts; then each round's prompts are the same for both variants
+            prompts = _prompts(b, prompt_len, cfg.vocab_size, 1 + rep if rep >= 0 else 100)
+            return _generate(engines[name], prompts, max_tokens, rep + 2, sync)
+
+        runs = harness.interleave(list(engines), rounds, run_variant, warmup=1)
         tps = {n: [x["tokens"] / x["seconds"] for x in rs] for n, rs in runs.items()}
-        speedup = statistics.median(
-            s / p for s, p in zip(tps["specrl best-of-N"], tps["specrl plain"], strict=True)
-        )
+        speedup = harness.paired_ratio(tps["specrl best-of-N"], tps["specrl plain"])
         stats = [x["stats"] for x in runs["specrl best-of-N"]]
         spec = _sum_spec([x["spec"] for x in stats])
         replay = _sum_spec([x["proposers"].get(ReplayProposer.name) for x in stats
@@ -188,7 +192,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
         for name in engines:
             is_spec = name != "specrl plain"
             rows.append([
-                b, name, round(statistics.median(tps[name]), 1),
+                b, name, round(harness.median(tps[name]), 1),
                 round(speedup, 3) if is_spec else 1.0,
                 spec["tau"] if is_spec else None,
                 spec["acceptance"] if is_spec else None,
@@ -196,12 +200,13 @@ def run(ctx: Ctx) -> dict[str, Any]:
                 round(gating["spec_steps"] / steps, 2) if is_spec and steps else None,
                 json.dumps(_selections(stats)) if is_spec else None,
             ])  # fmt: skip
-        figures[f"b{b}_plain_tok_s"] = round(statistics.median(tps["specrl plain"]), 1)
-        figures[f"b{b}_best_of_n_tok_s"] = round(statistics.median(tps["specrl best-of-N"]), 1)
+        figures[f"b{b}_plain_tok_s"] = round(harness.median(tps["specrl plain"]), 1)
+        figures[f"b{b}_best_of_n_tok_s"] = round(harness.median(tps["specrl best-of-N"]), 1)
         figures[f"b{b}_speedup"] = round(speedup, 3)
         if spec["tau"] is not None:
             figures[f"b{b}_tau"] = spec["tau"]
         measured_pp[b] = replay["per_position"]
+        ctx.partial(figures, [table("rollout (so far)", COLUMNS, rows)])
         del engines
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -217,8 +222,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
             table(
                 f"rollout on {ctx.device}: {shape}; prompts {prompt_len}, {max_tokens} tokens, "
                 f"T = 1, k ≤ {MAX_K}, median of {rounds} rounds",
-                ["batch", "variant", "tok/s", "vs plain", "τ", "acceptance", "replay per position",
-                 "spec step share", "selections"],
+                COLUMNS,
                 rows,
             ),
             table(f"per-position acceptance, replayed from {source}",

@@ -15,6 +15,8 @@ from typing import Any
 from gpu_check import REPO, Ctx, result, table
 
 MiB = 2**20
+PROFILE_COLUMNS = ["model", "seq", "layout", "predicted MiB", "measured MiB",
+                   "measured / predicted", "predicted step s", "measured step s"]  # fmt: skip
 
 
 def _no_cuda(ctx: Ctx) -> str | None:
@@ -69,6 +71,21 @@ def _junit(path: Path) -> list[dict[str, str]]:
     return cases
 
 
+class _Progress:
+    """A pytest plugin keeping each finished test's outcome as the check's partial result."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        self.ctx, self.rows = ctx, []
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.when == "call" or report.outcome != "passed":
+            message = "" if report.passed else str(report.longrepr).strip().splitlines()[-1][:200]
+            self.rows.append([report.nodeid, report.outcome, message])
+            counts = {k: sum(r[1] == k for r in self.rows) for k in ("passed", "failed", "skipped")}
+            columns = ["test", "outcome", "message"]
+            self.ctx.partial(counts, [table("pytest tests/gpu (so far)", columns, self.rows)])
+
+
 def check_kernels(ctx: Ctx) -> dict[str, Any]:
     """``pytest tests/gpu``, in this check's process (every test skips without CUDA, so the
     dry run goes through the same path)."""
@@ -86,7 +103,7 @@ def check_kernels(ctx: Ctx) -> dict[str, Any]:
             f"--rootdir={REPO}", f"--timeout={max(10, int(ctx.left() - 10))}"]  # fmt: skip
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
-        code = pytest.main(args)
+        code = pytest.main(args, plugins=[_Progress(ctx)])
     print(log.getvalue())
     if not xml.is_file():
         tail = "\n".join(log.getvalue().strip().splitlines()[-15:])
@@ -134,14 +151,14 @@ def check_profile(ctx: Ctx) -> dict[str, Any]:
         key = label.split(" ")[0]
         figures[f"{key}_measured_over_predicted_memory"] = round(meas / pred, 3)
         figures[f"{key}_measured_step_s"] = round(c.measured_seconds, 4)
+        ctx.partial(figures, [table("profile (so far)", PROFILE_COLUMNS, rows)])
     skipped = "layouts of 2+ ranks (cp, pp > 1) need one device per rank under NCCL"
     return result(
         "ok",
         figures=figures,
         tables=[table(
             f"profile-parallelism on {hw.name}: predicted vs measured (one rank; {skipped})",
-            ["model", "seq", "layout", "predicted MiB", "measured MiB", "measured / predicted",
-             "predicted step s", "measured step s"],
+            PROFILE_COLUMNS,
             rows,
         )],
         device=str(torch.cuda.get_device_name()) if torch.cuda.is_available() else "cpu",

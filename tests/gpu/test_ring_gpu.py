@@ -108,7 +108,7 @@ def test_ring_on_one_device_matches_dense_reference(backend: str) -> None:
     if backend == "nccl" and not torch.distributed.is_nccl_available():
         pytest.skip("this torch build has no NCCL")
     try:
-        results = spawn(_worker, 2, "cuda:0", backend=backend, timeout=180, threads=1)
+        results = spawn(_worker, 2, "cuda:0", backend=backend, timeout=60, threads=1)
     except RuntimeError as exc:
         reason = _refusal(backend, str(exc))
         if reason is None:

@@ -62,6 +62,12 @@ def test_dry_run_reports_every_check(dry_run) -> None:
         assert (out / f"{name}.md").read_text().startswith(f"## {name}: {c['status']}")
     md = (out / "summary.md").read_text()
     assert all(f"| {name} | {c['status']} |" in md for name, c in checks.items())
+    # every open target is set against its figure, measured here (tiny shapes: any value)
+    goals = {g["figure"]: g for g in summary["targets"]}
+    assert set(goals) == {f"{c}.{f}" for c, f, *_ in gpu_check.TARGETS}
+    for g in goals.values():
+        assert isinstance(g["value"], float) and isinstance(g["met"], bool), g
+    assert "**open targets (dry run" in md
 
 
 def test_dry_run_measures_on_cpu(dry_run) -> None:
@@ -101,10 +107,16 @@ def test_archive_holds_the_folder(dry_run) -> None:
 
 
 def test_budget_skips_what_would_not_fit(tmp_path) -> None:
-    out = tmp_path / "out"
-    proc = _run("--out", str(out), "--dry-run", "--budget-s", "1", timeout=120)
+    out, wheels = tmp_path / "out", tmp_path / "wheels"
+    wheels.mkdir()
+    proc = _run("--out", str(out), "--dry-run", "--budget-s", "1", "--wheels", str(wheels))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    checks = json.loads((out / "summary.json").read_text())["checks"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["meta"]["setup"]["wheels"] == {
+        "installed": [],
+        "note": f"no .whl files in {wheels}",
+    }
+    checks = summary["checks"]
     assert [c["name"] for c in checks] == [c.name for c in gpu_check.CHECKS]
     assert all(c["status"] == "skipped" and "skipped: budget" in c["reason"] for c in checks)
 
@@ -156,3 +168,38 @@ def test_replayed_acceptance_matches_the_profile() -> None:
         assert abs(hit / n - want) <= 4 * sd, (j, hit / n, want, n)
     # every token is still a sample of the uniform target: no id is drafted outside [0, V)
     assert all(0 <= t < cfg.vocab_size for r in res for t in r.tokens)
+
+
+def test_rl_phase_clocks_synchronise_first(monkeypatch) -> None:
+    """The rl_step check's phase timers sync the device before reading the clock."""
+    import gpu_check_rl
+
+    import specrl.train.loop as loop
+    import specrl.train.strategy as strategy
+
+    for module in (loop, strategy):
+        monkeypatch.setattr(module, "time", module.time)  # restored after the test
+    calls = []
+    gpu_check_rl.synced_phase_clocks(lambda: calls.append(1))
+    t0 = loop.time.perf_counter()
+    assert strategy.time.perf_counter() >= t0 and len(calls) == 2
+    assert loop.time.sleep is __import__("time").sleep  # everything else is the time module
+
+
+def test_a_check_past_its_limit_is_killed_and_reported(tmp_path) -> None:
+    """A check still running at its limit is killed (its whole process group) and recorded as
+    a timeout failure; what it kept as partial results survives."""
+    args = gpu_check.parse(["--out", str(tmp_path), "--dry-run"])
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO / "scripts")}
+    res = gpu_check.run_child(gpu_check.BY_NAME["env"], 0.3, args, env)  # torch takes longer
+    assert res["status"] == "failed" and res["reason"].startswith("timeout: stopped at its limit")
+    assert res["seconds"] < 15 and not (tmp_path / "env.json").exists()
+    # a partial result's figures are kept in the failure; a finished result wins over it
+    partial, path = gpu_check.partial_path(tmp_path, "x"), tmp_path / "x.json"
+    partial.write_text(json.dumps({"figures": {"b1_speedup": 1.5}, "tables": []}))
+    res = gpu_check.outcome(None, path, partial, 10.0, "log")
+    assert res["status"] == "failed" and res["figures"] == {"b1_speedup": 1.5}
+    assert "figures measured before are kept" in res["reason"]
+    path.write_text(json.dumps(gpu_check.result("ok", figures={"a": 1})))
+    assert gpu_check.outcome(0, path, partial, 10.0, "")["figures"] == {"a": 1}
+    assert gpu_check.outcome(3, path, partial, 10.0, "")["status"] == "failed"

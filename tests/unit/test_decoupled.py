@@ -17,6 +17,7 @@ import torch
 from scipy import stats
 
 from specrl.core.attention import PackedLayout
+from specrl.errors import ConfigError
 from specrl.models.generate import generate
 from specrl.rollout import Request, SamplingParams, SpecConfig, decoupled
 from specrl.rollout.decoupled import DrafterError, DraftWorker, split_ahead
@@ -315,3 +316,42 @@ def test_a_hung_or_dead_drafter_fails_the_call_and_the_engine_recovers(kind, cap
     assert "decoupled drafting is off" in caplog.text
     out = engine.generate([Request(p, greedy(8)) for p in PROMPTS[:3]])
     assert [r.tokens for r in out] == generate(engine.model, PROMPTS[:3], 8)
+
+
+# ------------------------------------------------------------------------- the choice
+def test_mode_choice_settles_per_batch_size_on_the_faster_mode():
+    """Batch 1: decoupled twice as fast; batch 8: coupled faster.  Each size learns its own."""
+    choice = decoupled.ModeChoice(epsilon=0.1, seed=0)
+    speed = {(1, "decoupled"): 2.0, (1, "coupled"): 1.0, (8, "decoupled"): 3.0, (8, "coupled"): 5.0}
+    for _ in range(400):
+        for b in (1, 8):
+            mode = choice.choose(b)
+            choice.record(b, mode, tokens=int(10 * speed[b, mode]), seconds=1.0)
+    steps = choice.to_dict()
+    assert steps["1"]["decoupled"]["steps"] > 3 * steps["1"]["coupled"]["steps"]
+    assert steps["8"]["coupled"]["steps"] > 3 * steps["8"]["decoupled"]["steps"]
+    assert steps["1"]["coupled"]["steps"] > 0 and steps["8"]["decoupled"]["steps"] > 0
+
+
+def test_mode_choice_skips_the_step_after_a_switch():
+    choice = decoupled.ModeChoice()
+    choice.record(1, "coupled", 10, 1.0)  # the first step: no previous mode, no sample
+    choice.record(1, "coupled", 10, 1.0)
+    choice.record(1, "decoupled", 99, 1.0)  # just switched: shaped by the coupled step before
+    rates = choice.rates[1]
+    assert rates["coupled"].count == 1 and rates["decoupled"].count == 0
+
+
+@pytest.mark.parametrize("slots", [1, 3], ids=["batch1", "continuous"])
+def test_greedy_auto_mode_matches_plain_and_uses_both_modes(slots):
+    model = tiny()
+    ref = generate(model, PROMPTS, 24)
+    spec = SpecConfig(proposers=("ngram", "test-oracle"), max_k=3, gate=False, decoupled="auto")
+    engine = make_engine(model, max_batch_size=slots, spec=spec)
+    out = engine.generate([Request(p, greedy()) for p in PROMPTS])
+    assert [r.tokens for r in out] == ref
+    modes = engine.stats()["decoupled"]["modes"]
+    used = {m for per in modes.values() for m, v in per.items() if v["steps"]}
+    assert used == {"coupled", "decoupled"}
+    with pytest.raises(ConfigError, match="decoupled"):
+        make_engine(model, spec=SpecConfig(proposers=["ngram"], decoupled="sometimes"))

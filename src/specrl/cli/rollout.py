@@ -21,7 +21,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from specrl.cli.common import progress_bar
-from specrl.cli.ui import JsonOpt, emit_json, err, kv_table, out, want_json
+from specrl.cli.ui import JsonOpt, OverwriteOpt, emit_json, err, kv_table, out, want_json
 
 app = typer.Typer(
     help="Speculative rollouts: generate for a prompt file, or serve over HTTP.",
@@ -90,43 +90,45 @@ def chat_codec(target: Path):
 
 def read_prompts(path: Path) -> list[tuple[int, dict[str, Any]]]:
     """(line number, record) of a prompt JSONL file; a bad line raises DataError FILE:LINE."""
+    from specrl.core.fsio import check_unicode, text_lines
     from specrl.errors import DataError
 
     if not path.is_file():
         raise DataError(f"prompt file '{path}' does not exist")
     records = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: malformed JSON ({exc.msg})") from None
-            if not isinstance(rec, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-            if not isinstance(rec.get("prompt"), str) or not rec["prompt"]:
-                raise DataError(f"{where}: needs a non-empty string field 'prompt'")
-            if "id" in rec and not isinstance(rec["id"], (str, int)):
-                raise DataError(f"{where}: field 'id' must be a string or an integer")
-            records.append((lineno, rec))
+    for lineno, line in text_lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: malformed JSON ({exc.msg})") from None
+        except RecursionError:
+            raise DataError(f"{where}: JSON nested too deeply") from None
+        if not isinstance(rec, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        if not isinstance(rec.get("prompt"), str) or not rec["prompt"]:
+            raise DataError(f"{where}: needs a non-empty string field 'prompt'")
+        check_unicode(rec["prompt"], f"{where}: field 'prompt'")
+        if "id" in rec and not isinstance(rec["id"], (str, int)):
+            raise DataError(f"{where}: field 'id' must be a string or an integer")
+        if isinstance(rec.get("id"), str):
+            check_unicode(rec["id"], f"{where}: field 'id'")
+        records.append((lineno, rec))
     if not records:
         raise DataError(f"{path}: no prompts")
     return records
 
 
 def write_jsonl_atomic(path: Path, rows: list[dict[str, Any]]) -> None:
-    """Write ``rows`` to a temporary file next to ``path``, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with tmp.open("w", encoding="utf-8") as fh:
-            for row in rows:
-                fh.write(json.dumps(row) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write ``rows`` through a temporary file next to ``path``, made durable and renamed into
+    place (:func:`specrl.core.fsio.atomic_file`)."""
+    from specrl.core.fsio import atomic_file
+
+    with atomic_file(path, "w") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
 
 
 @app.callback(invoke_without_command=True)
@@ -152,6 +154,7 @@ def rollout_command(
     device: DeviceOpt = "auto",
     compile: CompileOpt = False,
     chat_template: ChatOpt = False,
+    overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Generate n samples per prompt of a JSONL file with speculative decoding."""
@@ -163,10 +166,12 @@ def rollout_command(
     assert target is not None and prompts is not None and out_file is not None
     if not 0 < top_p <= 1:
         raise typer.BadParameter("must be in (0, 1]", param_hint="'--top-p'")
+    from specrl.core.fsio import check_output
     from specrl.errors import DataError
     from specrl.rollout import Request, SamplingParams
     from specrl.rollout.factory import build_engine
 
+    check_output(out_file, kind="file", inputs=[prompts, target, draft], overwrite=overwrite)
     records = read_prompts(prompts)
     config = rollout_config(proposers, k, batch_size, compile, draft)
     codec = chat_codec(target) if chat_template else None

@@ -34,6 +34,12 @@ count (OpenMP thread counts are per calling thread), and on a GPU on a CUDA stre
 stream on that device.  A job that raises, a worker thread that died, or one that does not
 answer within ``timeout`` seconds raises :class:`DrafterError` in the engine thread, which then
 fails the ``generate`` call in bounded time instead of hanging; a broken worker stays broken.
+
+**Which** (``SpecConfig(decoupled="auto")``): per batch size, :class:`ModeChoice` picks coupled
+or decoupled drafting for the steps the gate lets speculate (the gate still decides plain vs
+speculative), by each mode's measured tokens per second at that batch size — decoupled pays
+where the drafter has a core of its own and its guesses hold, coupled where the worker only
+competes with the target for the same cores.
 """
 
 from __future__ import annotations
@@ -50,10 +56,11 @@ from typing import Any
 
 import torch
 
+from specrl.rollout.bandit import EpsilonGreedy, RunningMean
 from specrl.rollout.metrics import SpecStats
 from specrl.rollout.types import Draft, SeqState
 
-__all__ = ["DraftWorker", "DrafterError", "Lookahead", "supports_ahead"]
+__all__ = ["MODES", "DraftWorker", "DrafterError", "Lookahead", "ModeChoice", "supports_ahead"]
 
 
 class DrafterError(RuntimeError):
@@ -340,3 +347,65 @@ def _draft_ahead(
             guess, nxt = split_ahead(ahead_draft)
             out.append(_Pending(seq, name, [int(t) for t in d.tokens], guess, nxt))
     return out
+
+
+MODES = ("coupled", "decoupled")
+MODE_RUN = 8  # steps a batch size keeps a mode once chosen (its first is no timing sample)
+MODE_MEMORY = 16  # samples after which a mode's rate is an EMA (the machine's load drifts)
+
+
+class ModeChoice:
+    """Coupled or decoupled drafting per batch size, by measured throughput.
+
+    Each batch size B keeps, per mode, the running mean of tokens per second of its
+    speculative steps (:class:`~specrl.rollout.gating.RunningMean`, an EMA after
+    :data:`MODE_MEMORY` samples) and chooses with the project's ε-greedy rule
+    (:class:`~specrl.rollout.gating.EpsilonGreedy`: each mode first gets two runs, exploration
+    of a clearly worse mode is rare).  A choice holds for :data:`MODE_RUN` steps at that B: the
+    first step after a switch is no sample (it still uses, or lacks, ahead drafts made under the
+    other mode), so each mode is timed on steps it alone shaped.
+    """
+
+    def __init__(self, epsilon: float = 0.1, seed: int = 0) -> None:
+        self.bandit = EpsilonGreedy(MODES, epsilon, seed, min_samples=2)  # type: ignore[arg-type]
+        self.rates: dict[int, dict[str, RunningMean]] = {}
+        self._run: dict[int, tuple[str, int]] = {}  # batch size → (mode, steps left)
+        self._last: dict[int, str] = {}  # batch size → its previous speculative step's mode
+        self.steps: dict[int, dict[str, int]] = {}  # batch size → mode → steps
+
+    def choose(self, batch_size: int) -> str:
+        mode, left = self._run.get(batch_size, ("", 0))
+        if left <= 0:
+            rates = self._rates(batch_size)
+            mode = str(
+                self.bandit.choose(
+                    {m: r.value for m, r in rates.items()}, {m: r.count for m, r in rates.items()}
+                )
+            )
+            left = MODE_RUN
+        self._run[batch_size] = (mode, left - 1)
+        counts = self.steps.setdefault(batch_size, dict.fromkeys(MODES, 0))
+        counts[mode] += 1
+        return mode
+
+    def record(self, batch_size: int, mode: str, tokens: int, seconds: float) -> None:
+        """A timed speculative step of ``mode``: ``tokens`` emitted in ``seconds``."""
+        settled = self._last.get(batch_size) == mode
+        self._last[batch_size] = mode
+        if settled and seconds > 0:
+            self._rates(batch_size)[mode].add(tokens / seconds)
+
+    def _rates(self, batch_size: int) -> dict[str, RunningMean]:
+        rates = self.rates.get(batch_size)
+        if rates is None:
+            rates = self.rates[batch_size] = {m: RunningMean(1.0 / MODE_MEMORY) for m in MODES}
+        return rates
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            str(b): {
+                m: {"steps": self.steps.get(b, {}).get(m, 0), "tokens_per_s": r.value or None}
+                for m, r in rates.items()
+            }
+            for b, rates in sorted(self.rates.items())
+        }

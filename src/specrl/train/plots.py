@@ -12,11 +12,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import yaml
 
+from specrl.core.fsio import atomic_save
 from specrl.train.metrics import read_metrics
 
 
@@ -70,8 +70,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.suptitle(run_dir.name)
     fig.tight_layout()
     path = Path(out) if out else run_dir / "curves.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:  # through a temporary file: a reader (or a kill) never sees half a PNG
+        atomic_save(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), suffix=".png")
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -98,8 +100,10 @@ def compare_runs(runs: dict[str, str | Path], out: str | Path) -> Path:
     fig.tight_layout()
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        atomic_save(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), suffix=".png")
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -139,11 +143,7 @@ def compare_siblings(run_dir: str | Path) -> Path | None:
             runs[f"{other_mode} ({d.name})"] = d
     if len(runs) < 2:
         return None
-    out = run_dir / "compare.png"
-    tmp = run_dir / ".compare.png.tmp.png"
-    compare_runs(runs, tmp)
-    os.replace(tmp, out)
-    return out
+    return compare_runs(runs, run_dir / "compare.png")
 
 
 def _unfold(runs: list[list[int]]) -> tuple[list[int], list[int]]:
@@ -189,6 +189,8 @@ def plot_waves(run_dir: str | Path, out: str | Path | None = None, waves: int = 
     fig.suptitle(f"{run_dir.name}: rollout waves")
     fig.tight_layout()
     path = Path(out) if out else run_dir / "rollout_wave.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        atomic_save(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), suffix=".png")
+    finally:
+        plt.close(fig)
     return path

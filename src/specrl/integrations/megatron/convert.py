@@ -122,15 +122,24 @@ def build_gpt(
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: int | None = None,
+    transformer_engine: bool = False,
 ) -> nn.Module:
     """One ``GPTModel`` chunk of ``config`` (call inside :func:`cpu_compat`, after
     ``parallel_state.initialize_model_parallel``): its rotary inverse frequencies are
     ``config.inv_freq()`` (every rope type specrl reads, in the model's precision), its
-    parameters all in the config's dtype (Megatron's torch norms default to float32)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    parameters all in the config's dtype (Megatron's torch norms default to float32).
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_norm, normalization="RMSNorm")
+    ``transformer_engine``: Transformer Engine's layer spec (GPU; needed for context
+    parallelism) instead of the local one.  Its norms are fused into ``linear_qkv`` /
+    ``linear_fc1`` (``layer_norm_weight``), so the HF conversion here, written for the local
+    spec, does not apply to it."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if transformer_engine:
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_norm)
+    else:
+        spec = specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_norm, normalization="RMSNorm")
     model = GPTModel(
         tconfig,
         spec,

@@ -17,13 +17,19 @@ from specrl.integrations.megatron.compat import cpu_compat
 def initialize(pp: int = 1, vp: int | None = None, *, seed: int = 0) -> None:
     """``parallel_state.initialize_model_parallel`` (tp = 1, cp = 1) over the default process
     group, and Megatron's model-parallel RNG seeded (its tracker on the CPU generator where
-    CUDA is absent); a previous state is destroyed first.  Collective: every rank."""
+    CUDA is absent); a state of the same sizes is kept (several strategies of one layout share
+    it), one of other sizes destroyed first.  Collective: every rank."""
     require()
     with cpu_compat():
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         if ps.model_parallel_is_initialized():
+            same = ps.get_pipeline_model_parallel_world_size() == pp and (
+                ps.get_virtual_pipeline_model_parallel_world_size() or 1
+            ) == (vp or 1)
+            if same:  # several strategies of one layout share Megatron's state
+                return
             destroy()
         ps.initialize_model_parallel(
             tensor_model_parallel_size=1,
