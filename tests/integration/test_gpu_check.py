@@ -203,3 +203,15 @@ def test_a_check_past_its_limit_is_killed_and_reported(tmp_path) -> None:
     path.write_text(json.dumps(gpu_check.result("ok", figures={"a": 1})))
     assert gpu_check.outcome(0, path, partial, 10.0, "")["figures"] == {"a": 1}
     assert gpu_check.outcome(3, path, partial, 10.0, "")["status"] == "failed"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_run_without_cuda_says_so(tmp_path) -> None:
+    """The GPU run on a machine without CUDA: env fails (exit 1), the CUDA checks skip."""
+    out = tmp_path / "out"
+    proc = _run("--out", str(out), "--only", "env,profile", "--budget-s", "200")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    checks = {c["name"]: c for c in json.loads((out / "summary.json").read_text())["checks"]}
+    assert checks["env"]["status"] == "failed" and checks["env"]["reason"] == "no CUDA device"
+    assert checks["profile"]["status"] == "skipped"
+    assert "torch sees no CUDA device" in checks["profile"]["reason"]

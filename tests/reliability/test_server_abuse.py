@@ -28,7 +28,7 @@ from specrl.models.decoder import Transformer
 from specrl.models.draft import DraftConfig, Eagle3Draft, build_vocab_map, init_draft_weights
 from specrl.models.generate import generate
 from specrl.models.presets import preset_config
-from specrl.models.tokenizer import TextCodec, char_tokenizer, special_ids
+from specrl.models.tokenizer import LONG_TEXT, HFTokenizer, TextCodec, char_tokenizer, special_ids
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 from specrl.rollout.server import (
     EngineWorker,
@@ -463,3 +463,36 @@ def test_serve_refuses_a_weights_dir_that_is_not_a_directory(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(ConfigError, match=r"--weights-dir '.*nope' is not a directory"):
         serve_command(target=tmp_path, weights_dir=[tmp_path, missing])
+
+
+def test_long_texts_encode_through_the_gil_free_path_to_the_same_ids():
+    """HFTokenizer.encode sends texts over LONG_TEXT characters through encode_batch (which
+    releases the GIL, so tokenizing in the server's thread pool leaves the event loop free);
+    the ids are those of encode, for the character tokenizer and a byte-level BPE alike."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = ["12+34=46", "the sum of 7 and 8 is 15", "ünïcödé ✓ text"] * 20
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    calls: list[int] = []
+
+    class Spy:  # the real backend, recording the texts sent through encode_batch
+        def __init__(self, backend) -> None:
+            self.backend, self.encode = backend, backend.encode
+
+        def encode_batch(self, texts, **kw):
+            calls.append(len(texts[0]))
+            return self.backend.encode_batch(texts, **kw)
+
+    for tok in (char_tokenizer(), HFTokenizer(bpe, {})):
+        backend = tok.backend
+        tok.backend = Spy(backend)
+        for n in (LONG_TEXT, LONG_TEXT + 1, 50_000):
+            text = ("12+34=46 ünï ✓ " * (n // 14 + 1))[:n]
+            assert tok.encode(text) == backend.encode(text).ids
+            assert tok.encode(text, add_special_tokens=False) == (
+                backend.encode(text, add_special_tokens=False).ids
+            )
+    assert calls == [LONG_TEXT + 1, LONG_TEXT + 1, 50_000, 50_000] * 2
