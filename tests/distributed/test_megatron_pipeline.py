@@ -16,7 +16,8 @@ decoder computes the one-process objective over all the samples (packed, SDPA at
   nothing but where each layer runs;
 - the silent traps: a config without the pipeline size builds every layer on every stage and is
   refused by ``check_stage_layers``; interleaving with ``batch_p2p_comm=True`` on gloo is refused
-  by ``check_schedule_config`` (the strategy's own config has it off).
+  by ``check_schedule_config`` (the strategy's own config has it off) — and, run anyway, is
+  shown to give a wrong loss and gradients (max gradient error ~1e2 here) with no error.
 
 Layouts: pp 2 × 1F1B, pp 2 × interleaved (2 virtual stages per rank), pp 2 × dp 2 (1F1B).
 
@@ -342,9 +343,38 @@ def trap_checks(rank: int, world: int) -> list[str]:
         check_schedule_config(
             convert.transformer_config(cfg, pp=2, vp=2, batch_p2p_comm=False), "gloo"
         )
+        failures += _batched_p2p_is_wrong(rank, world)
     finally:
         runtime.destroy()
     return failures
+
+
+def _batched_p2p_is_wrong(rank: int, world: int) -> list[str]:
+    """Why the refusal exists: the interleaved schedule run anyway with batch_p2p_comm=True on
+    gloo (the check bypassed) gives a wrong loss and wrong gradients, with no error; False is
+    exact (megatron-core 0.16.1 — if this starts passing, the trap is gone)."""
+    from specrl.integrations.megatron import convert
+    from specrl.integrations.megatron.strategy import MegatronStrategy
+
+    dims = ParallelDims(world_size=world, pp=2, virtual_stages=2)
+    layout = TrainLayout(dims, dims.build_groups(), rank)
+    policy = Transformer(model_config()).init_weights(0, std=0.3).double()
+    batch = samples(8, seed=3)
+    want_sums, want = reference(policy, batch)
+    strategy = MegatronStrategy(
+        policy, layout, OBJ, schedule="interleaved", num_microbatches=4, micro_batch_size=2,
+        seq_length=12,
+    )  # fmt: skip
+    strategy.tconfig.batch_p2p_comm = True  # what check_schedule_config refuses
+    out = strategy.forward_backward(batch, draft=None)
+    grads: dict[str, torch.Tensor] = {}
+    for c in strategy.chunks:
+        grads.update(convert.chunk_hf_state(c, policy.config, grads=True))
+    loss_err = abs(out.policy_loss - float(want_sums[0]))
+    grad_err = max(float((g - want[n]).abs().max()) for n, g in grads.items())
+    if max(loss_err, grad_err) < 1e-6:
+        return [f"rank {rank}: batch_p2p_comm=True was exact on gloo: the trap is gone"]
+    return []
 
 
 def _worker(rank: int, world: int) -> dict:
