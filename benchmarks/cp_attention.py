@@ -34,8 +34,6 @@ than the all-gather baseline; FLOP imbalance ≤ 2 %.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -51,9 +49,13 @@ from specrl.core.attention.ring import RingGeometry
 from specrl.core.attention.ttt import allgather_attention, ttt_session
 from specrl.core.distributed import spawn
 
+try:
+    from benchmarks import harness
+except ModuleNotFoundError:  # run as a file (python benchmarks/cp_attention.py)
+    import harness
+
 VARIANTS = ("ring", "ring_once", "gather", "allgather")
 FLOPS_PER_PAIR_HEAD_DIM = 14  # forward QK^T + PV (4), backward recompute + 4 matmuls (10)
-RESULTS = Path(__file__).parent / "results" / "cp_attention.json"
 
 
 def pack_lengths(total: int, mean_doc: int, seed: int) -> list[int]:
@@ -237,48 +239,34 @@ def check_targets(rows: list[dict]) -> list[dict]:
     return checks
 
 
-def render(rows: list[dict], checks: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="CP TTT attention per rank (fwd+bwd, gloo on CPU)")
-    for col in (
-        "tokens",
-        "cp",
-        "mode",
-        "peak MiB/rank",
-        "× cp=1",
-        "÷ all-gather",
-        "s",
-        "GFLOP/rank",
-        "imbal.",
-    ):
-        table.add_column(col, justify="right")
+def table_rows(rows: list[dict]) -> list[dict]:
+    """The printed table: peak memory against cp = 1 and against the all-gather baseline."""
     base = {(r["tokens"], r["mode"]): r["peak_mib"] for r in rows if r["cp"] == 1}
     gather = {(r["tokens"], r["cp"]): r["peak_mib"] for r in rows if r["mode"] == "allgather"}
+    out = []
     for r in rows:
         one, ag = base.get((r["tokens"], r["mode"])), gather.get((r["tokens"], r["cp"]))
-        table.add_row(
-            f"{r['tokens']:,}",
-            str(r["cp"]),
-            r["mode"],
-            f"{r['peak_mib']:.1f}",
-            f"{r['peak_mib'] / one:.2f}" if one else "–",
-            f"{ag / r['peak_mib']:.2f}" if ag else "–",
-            f"{r['seconds']:.2f}",
-            f"{max(r['gflop_per_rank']):.1f}",
-            f"{100 * r['imbalance']:.2f} %",
+        out.append(
+            {
+                "tokens": r["tokens"],
+                "cp": r["cp"],
+                "mode": r["mode"],
+                "peak MiB/rank": round(r["peak_mib"], 1),
+                "× cp=1": round(r["peak_mib"] / one, 2) if one else None,
+                "÷ all-gather": round(ag / r["peak_mib"], 2) if ag else None,
+                "s": round(r["seconds"], 2),
+                "GFLOP/rank": round(max(r["gflop_per_rank"]), 1),
+                "imbalance %": round(100 * r["imbalance"], 2),
+            }
         )
-    console = Console(width=120)
-    console.print(table)
-    for c in checks:
-        console.print(f"{'met ' if c['met'] else 'MISSED'}  {c['target']}: {c['value']:.3f}")
+    return out
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="2K and 8K tokens instead of 8K and 32K")
-    p.add_argument("--tokens", type=int, nargs="+", default=None)
+    p = harness.parser(__doc__, "cp_attention", repeats=None, threads=False, clock=False)
+    p.add_argument(
+        "--tokens", type=int, nargs="+", default=None, help="default 8K 32K (--quick: 2K 8K)"
+    )
     p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--modes", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--steps", type=int, default=7, help="TTT steps (step k has k branch keys)")
@@ -288,7 +276,6 @@ def main() -> None:
     p.add_argument("--mean-doc", type=int, default=4096, help="mean document length in a pack")
     p.add_argument("--cores", type=int, default=2, help="CPU cores shared by the ranks")
     p.add_argument("--timeout", type=float, default=1800.0)
-    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     tokens = args.tokens or ([2048, 8192] if args.quick else [8192, 32768])
     if args.quick:
@@ -300,23 +287,20 @@ def main() -> None:
             rows += run(n, cp, args)
             print(f"done: {n} tokens, cp={cp}", file=sys.stderr)
     checks = check_targets(rows)
-    render(rows, checks)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "command": shlex.join(["python", "benchmarks/cp_attention.py", *sys.argv[1:]]),
-                "config": {
-                    k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                },
-                "torch": torch.__version__,
-                "rows": rows,
-                "targets": checks,
-            },
-            indent=2,
-        )
+    shown = [{**c, "value": round(c["value"], 3)} for c in checks]
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    harness.report(
+        args,
+        [
+            (
+                "CP TTT attention per rank (fwd+bwd, gloo on CPU)",
+                table_rows(rows),
+                list(table_rows(rows)[0]),
+            ),
+            ("targets", shown, ["target", "value", "met"]),
+        ],
+        {"config": config, "rows": rows, "targets": checks},
     )
-    print(f"wrote {args.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

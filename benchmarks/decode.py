@@ -2,8 +2,9 @@
 
 Same weights (an HF-format checkpoint written by specrl, loaded by both), same prompts, greedy,
 a fixed number of new tokens (HF gets ``min_new_tokens`` so neither stops early).  Runs are
-interleaved (ours, theirs, ours, …) and the median of ``--repeats`` is reported, so machine noise
-hits both sides alike.  Also checks that both produce the same tokens.
+interleaved (ours, theirs, then theirs, ours, …) and the median of ``--repeats`` is reported, the
+speedup as the median of per-repeat ratios, so machine noise hits both sides alike.  Also checks
+that both produce the same tokens.
 
     python benchmarks/decode.py                # table + benchmarks/results/decode.json
     python benchmarks/decode.py --quick
@@ -11,11 +12,8 @@ hits both sides alike.  Also checks that both produce the same tokens.
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,6 +22,11 @@ from specrl.models.checkpoint import load_model, save_model
 from specrl.models.decoder import Transformer
 from specrl.models.generate import generate
 from specrl.models.presets import preset_config
+
+try:
+    from benchmarks import harness
+except ModuleNotFoundError:  # run as a file (python benchmarks/decode.py)
+    import harness
 
 SHAPES = {
     "toy-small": dict(preset="toy-small"),
@@ -38,7 +41,10 @@ SHAPES = {
 }
 
 
-def bench(shape: str, batch: int, prompt_len: int, new_tokens: int, repeats: int, tmp: Path):
+def bench(
+    shape: str, batch: int, prompt_len: int, new_tokens: int, repeats: int, tmp: Path,
+    clock: Callable[[], float],
+) -> dict:  # fmt: skip
     from transformers import AutoModelForCausalLM
 
     over = dict(SHAPES[shape])
@@ -68,17 +74,14 @@ def bench(shape: str, batch: int, prompt_len: int, new_tokens: int, repeats: int
         return out[:, prompt_len:].tolist()
 
     same = run_ours() == run_theirs()  # also warms both up
-    t_ours, t_theirs = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run_ours()
-        t_ours.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        run_theirs()
-        t_theirs.append(time.perf_counter() - t0)
+    runners = {"specrl": run_ours, "transformers": run_theirs}
+    times = harness.interleave(
+        list(runners), repeats, lambda v, rep: harness.timed(clock, runners[v])[0], warmup=0
+    )
     toks = batch * new_tokens
-    ours_tps = toks / statistics.median(t_ours)
-    theirs_tps = toks / statistics.median(t_theirs)
+    ours_tps = toks / harness.median(times["specrl"])
+    theirs_tps = toks / harness.median(times["transformers"])
+    speedup = harness.paired_ratio(times["transformers"], times["specrl"])
     return {
         "shape": shape,
         "params_m": round(cfg.num_params / 1e6, 2),
@@ -87,24 +90,15 @@ def bench(shape: str, batch: int, prompt_len: int, new_tokens: int, repeats: int
         "new_tokens": new_tokens,
         "specrl_tok_s": round(ours_tps, 1),
         "transformers_tok_s": round(theirs_tps, 1),
-        "speedup": round(ours_tps / theirs_tps, 2),
+        "speedup": round(speedup, 2),  # median of per-repeat ratios
         "same_tokens": same,
     }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default="benchmarks/results/decode.json")
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads (1: stable timings on shared machines)",
-    )
+    ap = harness.parser(__doc__, "decode", repeats=5)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    clock = harness.configure(ap, args)
     torch.manual_seed(0)
     new_tokens = 32 if args.quick else 64
     repeats = 2 if args.quick else args.repeats
@@ -112,21 +106,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for shape in SHAPES:
             for batch in (1, 8):
-                rows.append(bench(shape, batch, 16, new_tokens, repeats, Path(d)))
+                rows.append(bench(shape, batch, 16, new_tokens, repeats, Path(d), clock))
                 print(rows[-1], flush=True)
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"cached decoding, greedy, {new_tokens} new tokens, CPU fp32")
-    for c in rows[0]:
-        table.add_column(c, justify="right")
-    for r in rows:
-        table.add_row(*(str(v) for v in r.values()))
-    Console().print(table)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps({"rows": rows, "threads": torch.get_num_threads()}, indent=2) + "\n"
-    )
+    title = f"cached decoding, greedy, {new_tokens} new tokens, CPU fp32, median of {repeats}"
+    harness.report(args, [(title, rows, list(rows[0]))], {"rows": rows})
 
 
 if __name__ == "__main__":

@@ -22,25 +22,25 @@ cotrain ≤ 0.6× none; step time ≤ 0.75× none; draft update ≤ 10 % of the 
     python benchmarks/rl_cotrain.py                 # 60 steps each, table + JSON + PNG
     python benchmarks/rl_cotrain.py --steps 20      # quicker look
     # a lightly initialised draft (20 offline steps) that co-training has room to improve
-    python benchmarks/rl_cotrain.py --name rl_cotrain_light --set draft.path=runs/toy/draft-light \
+    python benchmarks/rl_cotrain.py --out benchmarks/results/rl_cotrain_light.json \
+        --set draft.path=runs/toy/draft-light \
         --set draft.init.steps=20 --set draft.lr=1e-3
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from pathlib import Path
-
-import torch
 
 from specrl.config import Recipe, load_recipe
 from specrl.train.artifacts import ensure_artifacts
 from specrl.train.loop import build_trainer
 from specrl.train.plots import compare_runs
 
-RESULTS = Path(__file__).parent / "results"
+try:
+    from benchmarks import harness
+except ModuleNotFoundError:  # run as a file (python benchmarks/rl_cotrain.py)
+    import harness
+
 MODES = ("cotrain", "frozen", "none")
 
 
@@ -74,32 +74,17 @@ def draft_flop_share(cfg, ttt_steps: int, draft_vocab: int) -> float:
     return draft / (s.L * s.matmul_params() + s.H * s.V)
 
 
-def markdown(rows: list[dict], targets: dict[str, tuple[bool, str]]) -> str:
-    """The result and target tables as Markdown (what docs/benchmarks.md shows)."""
-
-    def cell(v) -> str:
-        return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
-
-    cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "| --- |" + " ---: |" * (len(cols) - 1)]
-    lines += ["| " + " | ".join(cell(row[c]) for c in cols) + " |" for row in rows]
-    lines += ["", "| target (issue 7) | met | measured |", "| --- | --- | --- |"]
-    lines += [f"| {k} | {'yes' if ok else '**no**'} | {d} |" for k, (ok, d) in targets.items()]
-    return "\n".join(lines)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, "rl_cotrain", repeats=None, clock=False)
     ap.add_argument("--recipe", default="recipes/toy/cotrain.yaml")
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--out", default="runs/bench-rl")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--markdown", action="store_true", help="also print the tables as Markdown")
-    ap.add_argument("--name", default="rl_cotrain", help="results/<name>.json and .png")
+    ap.add_argument("--steps", type=int, default=60, help="RL steps per run (--quick: 10)")
+    ap.add_argument("--runs", type=Path, default=Path("runs/bench-rl"), help="run directories")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="key=value")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    out = Path(args.out)
+    harness.configure(ap, args)
+    if args.quick:
+        args.steps = 10
+    out = args.runs
     base = load_recipe(args.recipe, Recipe, args.overrides)
     ensure_artifacts(base)
     trainers = {
@@ -178,44 +163,23 @@ def main() -> None:
             f"{c['draft_update_s'] / c['policy_update_s']:.0%}",
         ),
     }
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(
-        title=f"RL on the toy task, {args.steps} steps each, interleaved, {args.threads} thread(s)"
-    )
-    for col in rows[0]:
-        t.add_column(col, justify="right")
-    for row in rows:
-        t.add_row(*(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()))
-    Console(width=200).print(t)
-    t2 = Table(title="targets (issue 7)")
-    for col in ("target", "met", "measured"):
-        t2.add_column(col)
-    for name, (ok, detail) in targets.items():
-        t2.add_row(name, "yes" if ok else "NO", detail)
-    Console().print(t2)
     listed = ", ".join(f"{n} {v:.0%}" for n, v in shares.items())
     print(f"draft/policy matmul FLOPs per token (analytic, K = {k}): {listed}")
-    if args.markdown:
-        print(markdown(rows, targets))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    png = compare_runs({m: out / m for m in MODES}, RESULTS / f"{args.name}.png")
-    (RESULTS / f"{args.name}.json").write_text(
-        json.dumps(
-            {
-                "command": " ".join(["python benchmarks/rl_cotrain.py", *sys.argv[1:]]),
-                "steps": args.steps,
-                "threads": args.threads,
-                "rows": rows,
-                "targets": {k: {"met": ok, "measured": d} for k, (ok, d) in targets.items()},
-                "draft_flop_share": shares,
-                "plot": str(png),
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    png = compare_runs({m: out / m for m in MODES}, args.out.with_suffix(".png"))
+    checks = [{"target": k, "met": ok, "measured": d} for k, (ok, d) in targets.items()]
+    title = f"RL on the toy task, {args.steps} steps each, interleaved, {args.threads} thread(s)"
+    payload = {
+        "steps": args.steps,
+        "rows": rows,
+        "targets": {c["target"]: {"met": c["met"], "measured": c["measured"]} for c in checks},
+        "draft_flop_share": shares,
+        "plot": str(png),
+    }
+    rounded = [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
+    harness.report(
+        args, [(title, rounded, list(rows[0])), ("targets", checks, ["target", "met", "measured"])],
+        payload,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

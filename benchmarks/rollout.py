@@ -50,9 +50,7 @@ Writes ``benchmarks/results/rollout.json`` and prints a Rich table plus the issu
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -63,14 +61,19 @@ from pathlib import Path
 
 import torch
 
-from specrl.config.loader import atomic_write_text
 from specrl.models.checkpoint import load_model
 from specrl.models.decoder import Transformer
 from specrl.models.tokenizer import TextCodec
 from specrl.rl.tasks import AdditionTask
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 
+try:
+    from benchmarks import harness
+except ModuleNotFoundError:  # run as a file (python benchmarks/rollout.py)
+    import harness
+
 MAX_K = 8  # the bandit chooses k in 1 … 8
+WARMUP = 2  # warm-up rounds per (mode, B) on other prompts
 SPECRL = ("specrl plain", "specrl ngram", "specrl eagle3", "specrl best-of-N")
 COMPILED = ("specrl plain compiled", "specrl best-of-N compiled")
 HF = ("hf plain", "hf prompt lookup")
@@ -198,7 +201,7 @@ def run_variant(
 
 
 def measure_batch(setup: Setup, batch: int, repeats: int) -> dict[str, list[dict]]:
-    """Warm-up, then ``repeats`` interleaved rounds of every variant; per-run records."""
+    """Two warm-up rounds, then ``repeats`` interleaved rounds of every variant; per-run records."""
     engines = {
         name: RolloutEngine(
             setup.model, codec=setup.codec, max_batch_size=batch, spec=spec, seed=0,
@@ -209,27 +212,26 @@ def measure_batch(setup: Setup, batch: int, repeats: int) -> dict[str, list[dict
     for engine in engines.values():
         engine.warmup()  # compiled engines: every graph class now, as a server does (else 0)
     count = max(batch, 8)
-    names = [*setup.specs, *HF]
-    for w in range(2):  # warm-up on other prompts
-        for name in names:
-            prompts = prompt_set(setup.codec, count, 10_000 + 100 * batch + w)
-            run_variant(setup, engines, name, batch, prompts, w)
-    samples: dict[str, list[dict]] = {name: [] for name in names}
-    for rep in range(repeats):
-        prompts = prompt_set(setup.codec, count, 1 + rep)
-        for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            before = engine_stats(engines[name]) if name in engines else None
-            t0, w0 = setup.clock(), time.perf_counter()
-            out = run_variant(setup, engines, name, batch, prompts, rep + 1)
-            seconds, wall = setup.clock() - t0, time.perf_counter() - w0
-            if out is None:
-                continue
-            rec = dict(zip(BASE_KEYS, (seconds, wall, sum(map(len, out)), out), strict=True))
-            if before is not None:
-                after = engine_stats(engines[name])
-                rec.update({k: after[k] - before[k] for k in after})
-            samples[name].append(rec)
-    return samples
+    prompts: dict[int, list[list[int]]] = {}  # per round, the same for every variant
+
+    def run(name: str, rep: int) -> dict | None:
+        if rep not in prompts:  # warm-up rounds (rep < 0) decode other prompts
+            seed = 10_000 + 100 * batch + rep + WARMUP if rep < 0 else 1 + rep
+            prompts[rep] = prompt_set(setup.codec, count, seed)
+        run_seed = rep + WARMUP if rep < 0 else rep + 1
+        before = engine_stats(engines[name]) if name in engines else None
+        t0, w0 = setup.clock(), time.perf_counter()
+        out = run_variant(setup, engines, name, batch, prompts[rep], run_seed)
+        seconds, wall = setup.clock() - t0, time.perf_counter() - w0
+        if out is None or rep < 0:
+            return None
+        rec = dict(zip(BASE_KEYS, (seconds, wall, sum(map(len, out)), out), strict=True))
+        if before is not None:
+            after = engine_stats(engines[name])
+            rec.update({k: after[k] - before[k] for k in after})
+        return rec
+
+    return harness.interleave([*setup.specs, *HF], repeats, run, warmup=WARMUP)
 
 
 def summarize(mode: str, batch: int, name: str, runs: list[dict], plain: list[dict]) -> dict:
@@ -283,10 +285,7 @@ def run_mode(
     return rows
 
 
-def paired_ratio(num: list[float], den: list[float]) -> float:
-    """Median over repeats of num/den within each repeat: the variants of one repeat ran back
-    to back on the same prompts, so a slow stretch of the machine cancels out of their ratio."""
-    return statistics.median(a / b for a, b in zip(num, den, strict=True))
+paired_ratio = harness.paired_ratio  # other scripts import it from here
 
 
 def targets(rows: list[dict]) -> list[dict]:
@@ -329,34 +328,6 @@ def targets(rows: list[dict]) -> list[dict]:
     return out
 
 
-def render(rows: list[dict], checks: list[dict], title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=200)
-    cols = COLUMNS
-    table = Table(title=title)
-    for c in cols:
-        table.add_column(c, justify="left" if c in ("mode", "variant") else "right")
-    for r in rows:
-        cells = ("-" if r.get(c) is None else str(r[c]) for c in cols)
-        table.add_row(*("unsupported" if c == "tok_s" and r["tok_s"] is None else x
-                        for c, x in zip(cols, cells, strict=True)))  # fmt: skip
-    console.print(table)
-    t = Table(title="issue 6 targets")
-    for c in ("mode", "target", "value", "need", "met"):
-        t.add_column(c)
-    for c in checks:
-        t.add_row(
-            c["mode"],
-            c["target"],
-            str(c["value"]),
-            f"≥ {c['need']}",
-            "[green]met[/]" if c["met"] else "[red]not met[/]",
-        )
-    console.print(t)
-
-
 def add_ratios(rows: list[dict]) -> None:
     base = {(r["mode"], r["batch"], r["variant"]): r["tok_s"] for r in rows}
     for r in rows:
@@ -368,33 +339,12 @@ def add_ratios(rows: list[dict]) -> None:
         r["vs_hf"] = round(r["tok_s"] / hf, 2)
 
 
-def markdown(rows: list[dict], checks: list[dict]) -> str:
-    cols = COLUMNS
-    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
-    for r in rows:
-        cells = []
-        for c in cols:
-            v = r.get(c)
-            cells.append(
-                "unsupported" if c == "tok_s" and v is None else "-" if v is None else str(v)
-            )
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| mode | target | value | need | met |", "| --- | --- | --- | --- | --- |"]
-    for c in checks:
-        lines.append(
-            f"| {c['mode']} | {c['target']} | {c['value']} | ≥ {c['need']} | "
-            f"{'met' if c['met'] else '**not met**'} |"
-        )
-    return "\n".join(lines)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, "rollout", repeats=9)
     ap.add_argument("--target", type=Path, default=Path("runs/toy/target"))
     ap.add_argument("--draft", type=Path, default=Path("runs/toy/draft"))
     ap.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     ap.add_argument("--modes", default="sampled,greedy", help="sampled and/or greedy")
-    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument(
         "--max-k", type=int, default=MAX_K, help="longest draft of the speculative variants"
@@ -402,29 +352,21 @@ def main() -> None:
     ap.add_argument(
         "--lookup", type=int, default=None, help="prompt_lookup_num_tokens (default: --max-k)"
     )
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
-    ap.add_argument("--quick", action="store_true", help="B = 1, 8; sampled; one repeat")
-    ap.add_argument("--markdown", action="store_true", help="also print a Markdown table")
     ap.add_argument(
         "--compile", action="store_true", help="add compiled plain and best-of-N engines"
     )
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/rollout.json"))
     args = ap.parse_args()
     if args.max_k < 1:
         ap.error(f"--max-k must be ≥ 1, got {args.max_k}")
     if args.lookup is None:
         args.lookup = args.max_k
-    torch.set_num_threads(args.threads)
-    if args.clock == "cpu" and args.threads != 1:
-        ap.error("--clock cpu measures one thread: use --threads 1 (or --clock wall)")
+    clock = harness.configure(ap, args)
     for p, what in ((args.target, "config.json"), (args.draft, "specrl_draft.json")):
         if not (p / what).is_file():
-            ap.error(f"{p} has no {what}: make the toy pair first (see docs/benchmarks-rollout.md)")
+            ap.error(f"{p} has no {what}: make the toy pair first (see docs/benchmarks.md)")
     batches = [1, 8] if args.quick else [int(b) for b in args.batches.split(",")]
     modes = ["sampled"] if args.quick else args.modes.split(",")
     repeats = 1 if args.quick else args.repeats
-    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     rows = []
     for mode in modes:
         rows += run_mode(
@@ -437,29 +379,23 @@ def main() -> None:
         f"rollout, addition, ≤{args.max_tokens} tokens, max k {args.max_k}, "
         f"{args.clock} clock, {args.threads} thread, median of {repeats}"
     )
-    render(rows, checks, title)
-    if args.markdown:
-        print(markdown(rows, checks))
+    shown = [r if r["tok_s"] is not None else {**r, "tok_s": "unsupported"} for r in rows]
     import transformers
 
-    meta = {
-        "command": " ".join(["python", *sys.argv]),
+    config = {
         "target": str(args.target),
         "draft": str(args.draft),
-        "threads": args.threads,
-        "repeats": repeats,
-        "clock": args.clock,
         "max_tokens": args.max_tokens,
         "max_k": args.max_k,
         "compile": args.compile,
         "prompt_lookup_num_tokens": args.lookup,
-        "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "cpu_count": os.cpu_count(),
-        "date": time.strftime("%Y-%m-%d"),
     }
-    payload = {"meta": meta, "rows": rows, "targets": checks}
-    atomic_write_text(args.out, json.dumps(payload, indent=2) + "\n")
+    harness.report(
+        args,
+        [(title, shown, COLUMNS), ("targets", checks, ("mode", "target", "value", "need", "met"))],
+        {"config": config, "rows": rows, "targets": checks},
+    )
 
 
 if __name__ == "__main__":

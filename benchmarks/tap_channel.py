@@ -27,17 +27,23 @@ free-taps step, relative to the draft-free step (the same quantity end to end, b
 shared machine); tap bytes per step, next to the pipeline's own activation + gradient bytes.
 The draft's compute does not add to the step in full: part of it fills the last stage's bubbles.
 
-    python benchmarks/tap_channel.py          # table + benchmarks/results/tap_channel.json
-    python benchmarks/tap_channel.py --quick
+Megatron-core (``--backends``, needs ``pip install 'specrl[megatron]'``): the same shape and
+taps as RL updates (``forward_backward`` of a :class:`~specrl.train.strategy.PolicyStrategy`
+over 16 samples of 48–64 tokens in 4 microbatches), in a second spawned world, interleaved:
+specrl's native pipeline (``PipelineStrategy``, packed microbatches of 256 tokens) and
+:class:`~specrl.integrations.megatron.strategy.MegatronStrategy` (Megatron's 1F1B over [4, 64]
+right-padded rows), each without the draft and co-training it over TapChannel.  Reported: step
+time side by side, and TapChannel's share of the Megatron step (sends + waits on both ranks over
+the draft-free Megatron step; target ≤ 5 %).
+
+    python -m benchmarks.tap_channel          # table + benchmarks/results/tap_channel.json
+    python -m benchmarks.tap_channel --quick --markdown
+    python -m benchmarks.tap_channel --only backends --markdown   # the Megatron table alone
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -49,6 +55,11 @@ from specrl.models.decoder import Transformer
 from specrl.models.draft import DraftConfig, Eagle3Draft, build_vocab_map, init_draft_weights
 from specrl.models.presets import preset_config
 from specrl.train.pipeline_cotrain import CotrainConfig, PackedMicrobatch, PipelineCotrainer
+
+try:
+    from benchmarks import harness
+except ModuleNotFoundError:  # run as a file (python benchmarks/tap_channel.py)
+    import harness
 
 SHAPE = dict(
     hidden_size=128,
@@ -200,27 +211,143 @@ def _trainer(groups, variant: str) -> PipelineCotrainer:
 def _measure(rank: int, world: int, variants: list[str], repeats: int) -> dict:
     groups = ParallelDims(world_size=world, pp=2).build_groups()
     trainers = {v: _trainer(groups, v) for v in variants}
-    out: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
-    for r in range(repeats + 1):  # repeat 0 warms up
-        batch = _microbatches(r)
-        for v, trainer in trainers.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            stats = trainer.step(batch)
-            wall = time.perf_counter() - t0
-            if r == 0:
-                continue
-            tap = stats.tap or TapStats()
-            for key, value in (
-                ("step", wall),
-                ("draft", stats.draft_seconds),
-                ("wait", tap.wait_seconds),
-                ("channel", tap.send_seconds + tap.wait_seconds),
-                ("bytes", tap.bytes_sent + tap.bytes_received),
-                ("policy_loss", stats.policy_loss),
-            ):
-                out[v].setdefault(key, []).append(value)
+
+    def step(variant: str, rep: int) -> dict[str, float] | None:
+        batch = _microbatches(rep + 1)  # rep -1 warms up; both ranks rotate alike
+        dist.barrier()
+        t0 = time.perf_counter()
+        stats = trainers[variant].step(batch)
+        wall = time.perf_counter() - t0
+        tap = stats.tap or TapStats()
+        return {
+            "step": wall,
+            "draft": stats.draft_seconds,
+            "wait": tap.wait_seconds,
+            "channel": tap.send_seconds + tap.wait_seconds,
+            "bytes": tap.bytes_sent + tap.bytes_received,
+            "policy_loss": stats.policy_loss,
+        }
+
+    runs = harness.interleave(variants, repeats, step, warmup=1)
+    return {v: {k: [r[k] for r in rs] for k in rs[0]} if rs else {} for v, rs in runs.items()}
+
+
+BACKEND_VARIANTS = ["native, no draft", "native, tapchannel", "megatron, no draft",
+                    "megatron, tapchannel"]  # fmt: skip
+SAMPLES, SEQ = 16, 64
+
+
+def _samples(seed: int) -> list:
+    from specrl.train.batch import Sample
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(SAMPLES):
+        n = int(torch.randint(48, SEQ + 1, (1,), generator=gen))
+        p = int(torch.randint(8, 17, (1,), generator=gen))
+        ids = torch.randint(0, VOCAB, (n,), generator=gen).tolist()
+        old = (-torch.rand(n - p, generator=gen)).tolist()
+        out.append(Sample(ids[:p], ids[p:], old, float(torch.randn(1, generator=gen))))
     return out
+
+
+def _strategy(layout, variant: str):
+    from specrl.integrations.megatron.strategy import MegatronStrategy
+    from specrl.train.pipeline_cotrain import PipelineStrategy
+    from specrl.train.strategy import Objective
+
+    policy, draft = _models()
+    obj = Objective(1.0, 0.2, 0.28, 0.0, TTT_STEPS, "ce", 0.8, 1.0, "ring")
+    trained = None if variant.endswith("no draft") else draft
+    per_mb = SAMPLES // MICROBATCHES
+    if variant.startswith("native"):
+        return PipelineStrategy(
+            policy,
+            layout,
+            obj,
+            schedule="1f1b",
+            num_microbatches=MICROBATCHES,
+            microbatch_tokens=per_mb * SEQ,
+            draft=trained,
+        )
+    return MegatronStrategy(
+        policy,
+        layout,
+        obj,
+        schedule="1f1b",
+        num_microbatches=MICROBATCHES,
+        micro_batch_size=per_mb,
+        seq_length=SEQ,
+        draft=trained,
+        tap_layers=TAPS if trained is not None else (),
+    )
+
+
+def _tap_stats(strategy) -> TapStats:
+    stats = getattr(strategy, "tap_stats", None)  # Megatron
+    if stats is None and hasattr(strategy, "pipeline"):  # native: the cotrainer's channel
+        channel = strategy.pipeline.channel
+        stats = channel.stats if channel is not None else None
+    return stats or TapStats()
+
+
+def _measure_backends(rank: int, world: int, variants: list[str], repeats: int) -> dict:
+    from specrl.train.layout import TrainLayout
+
+    dims = ParallelDims(world_size=world, pp=2)
+    layout = TrainLayout(dims, dims.build_groups(), rank)
+    strategies = {v: _strategy(layout, v) for v in variants}  # Megatron's state is shared
+
+    def step(variant: str, rep: int) -> dict[str, float]:
+        batch = _samples(rep + 1)
+        strategy = strategies[variant]
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = strategy.forward_backward(batch, draft=None if "no draft" in variant else "train")
+        wall = time.perf_counter() - t0
+        tap = _tap_stats(strategy) if "tapchannel" in variant else TapStats()
+        return {
+            "step": wall,
+            "draft": out.draft_seconds,
+            "channel": tap.send_seconds + tap.wait_seconds,
+            "bytes": tap.bytes_sent + tap.bytes_received,
+            "policy_loss": out.policy_loss,
+        }
+
+    runs = harness.interleave(variants, repeats, step, warmup=1)
+    return {v: {k: [r[k] for r in rs] for k in rs[0]} for v, rs in runs.items()}
+
+
+BACKEND_COLUMNS = (
+    "variant", "step_ms", "vs_native", "draft_compute_ms", "channel_ms", "channel_pct",
+    "tap_bytes_per_step", "policy_loss",
+)  # fmt: skip
+
+
+def _backend_rows(repeats: int) -> list[dict]:
+    per_rank = spawn(_measure_backends, 2, BACKEND_VARIANTS, repeats, timeout=1800, threads=1)
+    worst = lambda v, key: [max(x) for x in zip(*(r[v][key] for r in per_rank), strict=True)]
+    both = lambda v, key: [sum(x) for x in zip(*(r[v][key] for r in per_rank), strict=True)]
+    med = lambda xs: round(harness.median(xs), 3)
+    rows = []
+    for v in BACKEND_VARIANTS:
+        backend, _ = v.split(", ")
+        base = worst(f"{backend}, no draft", "step")
+        native = worst(f"native, {v.split(', ')[1]}", "step")
+        rows.append(
+            {
+                "variant": v,
+                "step_ms": med(x * 1e3 for x in worst(v, "step")),
+                "vs_native": round(harness.paired_ratio(worst(v, "step"), native), 3),
+                "draft_compute_ms": med(x * 1e3 for x in worst(v, "draft")),
+                "channel_ms": med(x * 1e3 for x in both(v, "channel")),
+                # time inside TapChannel on both ranks over this backend's draft-free step
+                "channel_pct": round(100 * harness.paired_ratio(both(v, "channel"), base), 2),
+                "tap_bytes_per_step": sum(r[v]["bytes"][0] for r in per_rank) // 2,
+                "policy_loss": round(per_rank[1][v]["policy_loss"][0], 6),
+            }
+        )
+    return rows
 
 
 def _naive_deadlocks(rank: int, world: int) -> dict:
@@ -228,18 +355,49 @@ def _naive_deadlocks(rank: int, world: int) -> dict:
     return {"completed": bool(out["blocking hooks"])}
 
 
+COLUMNS = (
+    "variant", "step_ms", "draft_compute_ms", "tap_wait_ms", "channel_ms", "channel_pct",
+    "transport_overhead_pct", "tap_bytes_per_step",
+)  # fmt: skip
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--repeats", type=int, default=15)
+    ap = harness.parser(__doc__, "tap_channel", repeats=15, threads=False, clock=False)
     ap.add_argument("--deadlock-timeout", type=float, default=30.0)
-    ap.add_argument("--out", default="benchmarks/results/tap_channel.json")
+    ap.add_argument(
+        "--only", choices=["native", "backends"], default=None,
+        help="run one section: the native transports, or native vs Megatron-core",
+    )  # fmt: skip
     args = ap.parse_args()
+    harness.configure(ap, args)
     repeats = 2 if args.quick else args.repeats
+    tables, payload = [], {}
+    if args.only != "backends":
+        tables, payload = _native_section(args, repeats)
+    if args.only != "native":
+        try:
+            import megatron.core  # noqa: F401
+        except ImportError:
+            print("megatron-core is not installed: pip install 'specrl[megatron]' for its table")
+        else:
+            rows = _backend_rows(repeats)
+            title = (
+                f"native vs Megatron-core, pp=2 gloo CPU fp32 1F1B, {SAMPLES} samples of 48–{SEQ} "
+                f"tokens in {MICROBATCHES} microbatches, taps {TAPS}, TTT steps {TTT_STEPS}, "
+                f"median of {repeats}; channel_pct: TapChannel time (both ranks) over the "
+                "backend's draft-free step"
+            )
+            tables.append((title, rows, BACKEND_COLUMNS))
+            payload["backends"] = {"samples": SAMPLES, "seq_length": SEQ, "rows": rows}
+    harness.report(args, tables, payload)
+
+
+def _native_section(args, repeats: int):
     variants = ["no draft", "draft, free taps", "tapchannel", "blocking hooks, pre-posted"]
     per_rank = spawn(_measure, 2, variants, repeats, timeout=1200, threads=1)
     worst = lambda v, key: [max(x) for x in zip(*(r[v][key] for r in per_rank), strict=True)]
     both = lambda v, key: [sum(x) for x in zip(*(r[v][key] for r in per_rank), strict=True)]
+    med = lambda xs: round(harness.median(xs), 3)
     base, free = worst("no draft", "step"), worst("draft, free taps", "step")
     rows = []
     for v in variants:
@@ -247,18 +405,20 @@ def main() -> None:
         rows.append(
             {
                 "variant": v,
-                "step_ms": statistics.median(step) * 1e3,
-                "draft_compute_ms": statistics.median(worst(v, "draft")) * 1e3,
-                "tap_wait_ms": statistics.median(worst(v, "wait")) * 1e3,
+                "step_ms": med(s * 1e3 for s in step),
+                "draft_compute_ms": med(s * 1e3 for s in worst(v, "draft")),
+                "tap_wait_ms": med(s * 1e3 for s in worst(v, "wait")),
                 # time inside the transport (sends + waits) on both ranks, relative to no draft
-                "channel_ms": statistics.median(both(v, "channel")) * 1e3,
-                "channel_pct": 100
-                * statistics.median(c / b for c, b in zip(both(v, "channel"), base, strict=True)),
+                "channel_ms": med(s * 1e3 for s in both(v, "channel")),
+                "channel_pct": round(100 * harness.paired_ratio(both(v, "channel"), base), 2),
                 # per repeat: what the transport adds over free taps, relative to no draft
                 "transport_overhead_pct": None
                 if v in ("no draft", "draft, free taps")
-                else 100
-                * statistics.median((s - f) / b for s, f, b in zip(step, free, base, strict=True)),
+                else round(
+                    100
+                    * harness.median((s - f) / b for s, f, b in zip(step, free, base, strict=True)),
+                    1,
+                ),
                 "tap_bytes_per_step": sum(r[v]["bytes"][0] for r in per_rank) // 2,
                 "policy_loss": per_rank[1][v]["policy_loss"][0],
             }
@@ -273,45 +433,27 @@ def main() -> None:
                  "seconds": round(time.perf_counter() - t0, 1)})  # fmt: skip
 
     act = 2 * MICROBATCHES * TOKENS * SHAPE["hidden_size"] * 4  # activations + their gradients
-    print(
-        f"pp=2 gloo CPU fp32, 1F1B, {MICROBATCHES} microbatches × {TOKENS} tokens, taps {TAPS}, "
-        f"TTT steps {TTT_STEPS}, {repeats} repeats (median); pipeline activation + gradient "
-        f"bytes/step: {act}"
-    )
-    head = ["variant", "step ms", "draft compute ms", "tap wait ms", "channel ms (% of step)"]
-    head += ["step − free-taps step", "tap bytes/step"]
-    print("| " + " | ".join(head) + " |")
-    print("| --- |" + " ---: |" * (len(head) - 1))
-    for r in rows:
-        if "result" in r:
-            cells = [r["variant"], r["result"], "", "", "", "", ""]
-        else:
-            cells = [
-                r["variant"],
-                f"{r['step_ms']:.1f}",
-                f"{r['draft_compute_ms']:.1f}",
-                f"{r['tap_wait_ms']:.2f}",
-                f"{r['channel_ms']:.2f} ({r['channel_pct']:.2f} %)",
-                "—"
-                if r["transport_overhead_pct"] is None
-                else f"{r['transport_overhead_pct']:+.1f} %",
-                str(r["tap_bytes_per_step"]),
-            ]
-        print("| " + " | ".join(cells) + " |")
     same = len({r["policy_loss"] for r in rows if "policy_loss" in r}) == 1
-    print(f"policy loss identical across variants: {same}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    title = (
+        f"pp=2 gloo CPU fp32, 1F1B, {MICROBATCHES} microbatches × {TOKENS} tokens, taps {TAPS}, "
+        f"TTT steps {TTT_STEPS}, median of {repeats}; pipeline activation + gradient bytes/step "
+        f"{act}; policy loss identical across variants: {same}"
+    )
+    shown = [
+        r if "result" not in r else {"variant": f"{r['variant']}: {r['result']}"} for r in rows
+    ]
+    config = {
+        "pp": 2, "backend": "gloo", "dtype": "float32", "schedule": "1f1b",
+        "microbatches": MICROBATCHES, "tokens_per_microbatch": TOKENS, "taps": list(TAPS),
+        "ttt_steps": TTT_STEPS, "shape": SHAPE, "vocab": VOCAB, "repeats": repeats,
+    }  # fmt: skip
     payload = {
-        "config": {
-            "pp": 2, "backend": "gloo", "dtype": "float32", "schedule": "1f1b",
-            "microbatches": MICROBATCHES, "tokens_per_microbatch": TOKENS, "taps": list(TAPS),
-            "ttt_steps": TTT_STEPS, "shape": SHAPE, "vocab": VOCAB, "repeats": repeats,
-        },
+        "config": config,
         "pipeline_activation_bytes_per_step": act,
         "policy_loss_identical": same,
         "rows": rows,
-    }  # fmt: skip
-    Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+    }
+    return [(title, shown, COLUMNS)], payload
 
 
 if __name__ == "__main__":

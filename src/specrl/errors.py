@@ -29,6 +29,10 @@ class DataError(SpecrlError):
     """A data file (JSONL prompts, corpora) with a malformed record."""
 
 
+class OutputError(SpecrlError):
+    """An output path specrl refuses to write (it holds something else, or is an input)."""
+
+
 class LayoutError(SpecrlError):
     """A parallel layout (dp × cp × pp) that the world size or the model cannot satisfy."""
 

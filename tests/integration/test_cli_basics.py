@@ -50,6 +50,12 @@ def test_env_json():
         if b["status"] != "ok":
             assert b["install"] == f"pip install 'specrl[{b['extra']}]'"
     assert info["distributed"]["gloo"] is True
+    policy = {b["backend"]: b for b in info["policy_backends"]}
+    assert policy.keys() == {"native", "megatron"}
+    megatron = next(b for b in info["backends"] if b["backend"] == "megatron.core")
+    assert policy["megatron"]["status"] == megatron["status"]
+    if megatron["status"] == "ok" and not info["cuda_available"]:
+        assert policy["megatron"]["device"].startswith("cpu")
 
 
 def test_completions_are_current():

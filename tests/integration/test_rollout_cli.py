@@ -215,6 +215,7 @@ def test_bad_prompt_files_are_one_line_errors_naming_file_and_line(
     out = tmp_path / "out.jsonl"
     out.write_text("previous\n", encoding="utf-8")
     args = ["--target", str(checkpoint), "--prompts", str(prompts), "--out", str(out)]
+    args.append("--overwrite")  # the existing output is replaced only by a complete new one
     code, stdout, stderr = _cli(monkeypatch, capsys, "rollout", *args, "--max-tokens", "4")
     assert code == 1 and stdout == ""
     assert _flat(stderr).startswith(_flat(f"Error: {prompts}"))
@@ -257,6 +258,7 @@ def test_console_script_end_to_end(checkpoint, tmp_path):
     assert len(out.read_text(encoding="utf-8").splitlines()) == 6
     bad = _write(tmp_path / "bad.jsonl", ['{"prompt": "1"}', "nope"])
     cmd[cmd.index(str(prompts))] = str(bad)
+    cmd.append("--overwrite")  # past the output check: the bad prompt line is what fails
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 1
     assert _flat(done.stderr).startswith(_flat(f"Error: {bad}:2: malformed JSON"))

@@ -63,10 +63,18 @@ def checkpoint(tmp_path_factory) -> Path:
 class _Server:
     """uvicorn in a background thread on a free loopback port."""
 
-    def __init__(self, checkpoint: Path, token: str | None, limits: ServerLimits) -> None:
+    def __init__(
+        self, checkpoint: Path, token: str | None, limits: ServerLimits, weights_dirs=()
+    ) -> None:
         engine = build_engine(rollout_config("ngram", 4, 16, False, None), checkpoint, device="cpu")
         codec = engine.codec
-        app = create_app(EngineWorker(engine), codec, limits=limits, update_token=token)
+        app = create_app(
+            EngineWorker(engine),
+            codec,
+            limits=limits,
+            update_token=token,
+            weights_dirs=weights_dirs,
+        )
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -89,8 +97,9 @@ LIMITS = ServerLimits(max_body_bytes=4096, max_n=4, max_tokens=64, max_prompt_to
 
 
 @pytest.fixture(scope="module")
-def url(checkpoint):
-    with _Server(checkpoint, TOKEN, LIMITS) as base:
+def url(checkpoint, tmp_path_factory):
+    # weight files may come from any of this session's temporary directories
+    with _Server(checkpoint, TOKEN, LIMITS, [tmp_path_factory.getbasetemp()]) as base:
         yield base
 
 

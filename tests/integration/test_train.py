@@ -144,42 +144,53 @@ def test_frozen_sibling_run_gets_a_comparison_plot(first_run):
     assert not list(run.glob(".compare*"))  # written through a temp file, renamed
 
 
-def test_kill_and_resume_reproduces_metrics(first_run):
+@pytest.fixture(scope="module")
+def reference_run(first_run) -> Path:
+    """An uninterrupted 5-step run the killed-and-resumed runs must reproduce."""
     base, sets = first_run
-    steps = ["--set", "train.steps=5"]
     ref = base / "ref"
-    assert run_cli("train", RECIPE, *sets, *steps, "--set", f"run.out_dir={ref}").returncode == 0
-    run = base / "killed"
-    env = {**os.environ, "COLUMNS": "200"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "specrl",
-            "train",
-            RECIPE,
-            *sets,
-            *steps,
-            "--set",
-            f"run.out_dir={run}",
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 300
-    metrics = run / "metrics.jsonl"
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    proc = run_cli("train", RECIPE, *sets, "--set", "train.steps=5", "--set", f"run.out_dir={ref}")
+    assert proc.returncode == 0, proc.stderr
+    return ref
+
+
+def _killed_at(first_run, name: str, failpoint: str) -> tuple[Path, list[str]]:
+    """A 5-step run that SIGKILLs itself at ``failpoint`` (``SPECRL_FAILPOINT``: a fixed point
+    of the run, so the verdict never depends on the machine's speed)."""
+    base, sets = first_run
+    run = base / name
+    args = [*sets, "--set", "train.steps=5", "--set", f"run.out_dir={run}"]
+    proc = run_cli("train", RECIPE, *args, env={"SPECRL_FAILPOINT": failpoint})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    return run, args
+
+
+def test_kill_and_resume_reproduces_metrics(first_run, reference_run):
+    """Killed after step 3's metrics (the step-2 checkpoint is the newest): --resume drops the
+    third record, redoes step 3 and reproduces the uninterrupted run."""
+    run, args = _killed_at(first_run, "killed", "after_metrics:3")
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-000002"
-    resumed = run_cli("train", RECIPE, *sets, *steps, "--set", f"run.out_dir={run}", "--resume")
+    assert [r["step"] for r in _records(run)] == [1, 2, 3]
+    resumed = run_cli("train", RECIPE, *args, "--resume")
     assert resumed.returncode == 0, resumed.stderr
-    assert _no_timing(_records(run)) == _no_timing(_records(ref))
+    assert _no_timing(_records(run)) == _no_timing(_records(reference_run))
+
+
+def test_resume_falls_back_past_a_truncated_checkpoint(first_run, reference_run):
+    """Killed right after the step-4 checkpoint, whose rank0.safetensors is then cut in half:
+    --resume warns, resumes from step 2 and still reproduces the uninterrupted run."""
+    run, args = _killed_at(first_run, "truncated", "after_commit:4")
+    newest = run / "checkpoints" / "step-000004"
+    assert (run / "checkpoints" / "latest").read_text().strip() == newest.name
+    data = (newest / "rank0.safetensors").read_bytes()
+    (newest / "rank0.safetensors").write_bytes(data[: len(data) // 2])
+    again = run_cli("train", RECIPE, *args)  # without --resume: refused, nothing truncated
+    _assert_one_line_error(again, "already holds a run (4 metric records")
+    resumed = run_cli("train", RECIPE, *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "checkpoint step-000004 is unusable" in resumed.stderr
+    assert "resuming from step-000002 instead" in resumed.stderr
+    assert _no_timing(_records(run)) == _no_timing(_records(reference_run))
 
 
 def test_sigterm_saves_and_exits(first_run):

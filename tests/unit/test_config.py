@@ -43,6 +43,8 @@ def test_bad_literal_and_validation(tmp_path):
         load_recipe(write(tmp_path, "task:\n  name: additoin\n"), Recipe)
     with pytest.raises(ConfigError, match="min_digits"):
         load_recipe(write(tmp_path, "task:\n  min_digits: 5\n  max_digits: 2\n"), Recipe)
+    with pytest.raises(ConfigError, match="tail_exponent"):
+        load_recipe(write(tmp_path, "task:\n  name: longtail\n  tail_exponent: 0\n"), Recipe)
 
 
 def test_precedence_cli_over_recipe_over_default(tmp_path):

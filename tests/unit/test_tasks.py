@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -9,7 +10,14 @@ import pytest
 from specrl.errors import ConfigError, DataError
 from specrl.models.tokenizer import TextCodec, char_tokenizer, special_ids
 from specrl.rl import verifiers as V
-from specrl.rl.tasks import AdditionTask, MultiplicationTask, build_task, read_jsonl
+from specrl.rl.tasks import (
+    AdditionTask,
+    LongTailAdditionTask,
+    MultiplicationTask,
+    build_task,
+    read_jsonl,
+    tail_weights,
+)
 
 
 def test_addition_solution_format_and_reward():
@@ -28,6 +36,41 @@ def test_multiplication_solution_format_and_reward():
     for p in t.sample(random.Random(1), 200):
         a, d = map(int, p.prompt[:-1].split("*"))
         assert p.answer == str(a * d) and t.reward(p.solution, p) == 1.0
+
+
+def test_longtail_lengths_are_heavy_tailed_and_solutions_verify():
+    t = build_task("longtail", min_digits=2, max_digits=24, tail_exponent=1.5)
+    assert isinstance(t, LongTailAdditionTask)
+    problems = t.sample(random.Random(0), 4000)
+    digits = []
+    for p in problems:
+        a, b = map(int, p.prompt[:-1].split("+"))
+        assert p.answer == str(a + b) and p.solution == AdditionTask().solve(a, b)
+        assert t.reward(p.solution, p) == 1.0
+        assert t.reward(p.solution.replace("#", "#1"), p) == 0.0
+        digits.append(max(len(str(a)), len(str(b))))
+        assert min(len(str(a)), len(str(b))) >= 2 and max(digits) <= 24
+    lengths = sorted(len(p.solution) for p in problems)
+    p50, p90, top = lengths[len(lengths) // 2], lengths[int(0.9 * len(lengths))], lengths[-1]
+    # a tail: the longest responses are many times the median, unlike the uniform toy task
+    assert top >= 5 * p50 and p90 >= 2 * p50
+    flat = sorted(len(p.solution) for p in AdditionTask().sample(random.Random(0), 4000))
+    assert flat[-1] < 2 * flat[len(flat) // 2]
+    # the digit counts follow the truncated power law (χ²-free check: the two most likely bins
+    # within 3 standard errors of their probabilities)
+    w = tail_weights(2, 24, 1.5)
+    for d in (2, 3):
+        freq = digits.count(d) / len(digits)
+        assert abs(freq - w[d - 2]) < 3 * (w[d - 2] * (1 - w[d - 2]) / len(digits)) ** 0.5
+    assert t.sample(random.Random(3), 50) == t.sample(random.Random(3), 50)
+
+
+def test_tail_weights_and_bad_exponent():
+    w = tail_weights(2, 6, 1.0)
+    assert abs(sum(w) - 1) < 1e-12 and all(a > b for a, b in itertools.pairwise(w))
+    assert abs(w[0] / w[1] - 2.0) < 1e-12  # 1^-1 / 2^-1
+    with pytest.raises(DataError, match="exponent"):
+        build_task("longtail", tail_exponent=0.0)
 
 
 def test_seeded_sampling_is_reproducible():

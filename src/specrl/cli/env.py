@@ -70,6 +70,25 @@ def _probe_backend(module: str, dist: str, extra: str) -> dict[str, Any]:
     return row
 
 
+def _policy_backends(backends: list[dict[str, Any]], cuda: bool) -> list[dict[str, Any]]:
+    """``policy.backend`` choices and where they would run on this machine."""
+    from specrl.integrations.megatron import TESTED_VERSION
+
+    rows: list[dict[str, Any]] = [
+        {"backend": "native", "status": "ok", "device": "cuda" if cuda else "cpu"}
+    ]
+    mg = next(b for b in backends if b["backend"] == "megatron.core")
+    row: dict[str, Any] = {"backend": "megatron", "status": mg["status"], "version": mg["version"]}
+    if mg["status"] == "ok":
+        row["device"] = "cuda" if cuda else "cpu (CUDA calls routed by specrl's compat layer)"
+        if mg["version"] != TESTED_VERSION:
+            row["note"] = f"specrl is tested with megatron-core {TESTED_VERSION}"
+    else:
+        row["install"] = mg["install"]
+    rows.append(row)
+    return rows
+
+
 def collect() -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -93,6 +112,7 @@ def collect() -> dict[str, Any]:
         },
         "backends": [_probe_backend(*b) for b in BACKENDS],
     }
+    info["policy_backends"] = _policy_backends(info["backends"], torch.cuda.is_available())
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
@@ -114,7 +134,9 @@ def env_command(json_out: JsonOpt = False) -> None:
         emit_json(info)
         return
     rows = {
-        k: v for k, v in info.items() if k not in ("packages", "devices", "backends", "distributed")
+        k: v
+        for k, v in info.items()
+        if k not in ("packages", "devices", "backends", "distributed", "policy_backends")
     }
     rows["devices"] = (
         ", ".join(f"{d['name']} ({d['memory_gib']} GiB)" for d in info["devices"]) or "cpu only"
@@ -129,5 +151,12 @@ def env_command(json_out: JsonOpt = False) -> None:
             "optional backends",
             info["backends"],
             ["backend", "status", "version", "install", "detail"],
+        )
+    )
+    out.print(
+        records_table(
+            "policy backends (policy.backend)",
+            info["policy_backends"],
+            ["backend", "status", "device", "install"],
         )
     )

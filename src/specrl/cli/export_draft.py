@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from specrl.cli.ui import JsonOpt, emit_json, kv_table, out, want_json
+from specrl.cli.ui import JsonOpt, OverwriteOpt, emit_json, kv_table, out, want_json
 
 
 class Server(str, Enum):
@@ -41,9 +41,11 @@ def export_draft_command(
             "--verify", help="Reload the export through an independent path and compare logits."
         ),
     ] = False,
+    overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Export a draft as config.json + model.safetensors (no embedding) for vLLM or SGLang."""
+    from specrl.core.fsio import check_output
     from specrl.errors import CheckpointError
     from specrl.models.checkpoint import load_model
     from specrl.models.draft_io import (
@@ -58,9 +60,10 @@ def export_draft_command(
     target_dir = target or meta.get("provenance", {}).get("target")
     if not target_dir:
         raise CheckpointError(f"'{draft}' records no target", hint="pass --target DIR")
+    check_output(out_dir, kind="dir", inputs=[draft, target_dir], overwrite=overwrite)
     tgt = load_model(target_dir)
     d, _ = load_draft(draft, tgt)
-    export_draft(d, out_dir, server=fmt.value, dtype=dtype.value)
+    export_draft(d, out_dir, server=fmt.value, dtype=dtype.value, overwrite=overwrite)
     summary = {
         "export": str(out_dir),
         "format": fmt.value,

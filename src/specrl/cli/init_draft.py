@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from specrl.cli.common import progress_bar
-from specrl.cli.ui import JsonOpt, emit_json, err, kv_table, out, want_json
+from specrl.cli.ui import JsonOpt, OverwriteOpt, emit_json, err, kv_table, out, want_json
 
 
 class Init(str, Enum):
@@ -82,13 +82,18 @@ def init_draft_command(
     temperature: Annotated[float, typer.Option(help="Target sampling temperature.")] = 1.0,
     max_new_tokens: Annotated[int, typer.Option(help="Response budget.")] = 64,
     seed: Annotated[int, typer.Option(help="Seed.")] = 0,
+    overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Initialise an EAGLE-3 draft for a target; optionally warm it up offline."""
     from specrl.cli.common import load
+    from specrl.core.fsio import check_output
     from specrl.rl.tasks import build_task, task_from_config
     from specrl.train.draft_init import DraftInitOptions, run_draft_init
 
+    check_output(
+        out_dir, kind="dir", inputs=[target, from_eagle3, corpus, recipe], overwrite=overwrite
+    )
     rec = load(recipe, None)
     task_obj = build_task(task) if task else task_from_config(rec.task)
     opts = DraftInitOptions(
@@ -112,6 +117,7 @@ def init_draft_command(
         from_eagle3=str(from_eagle3) if from_eagle3 else None,
         aux_convention=aux_convention.value,
         seed=seed,
+        overwrite=overwrite,
     )
     with progress_bar("init-draft", max(steps, 1)) as update:
         res = run_draft_init(

@@ -45,6 +45,11 @@ class Schedule(str, Enum):
     interleaved = "interleaved"
 
 
+class Backend(str, Enum):
+    native = "native"
+    megatron = "megatron"
+
+
 class Sharding(str, Enum):
     none = "none"
     zero1 = "zero1"
@@ -168,6 +173,13 @@ def profile_command(
     sharding: Annotated[
         Sharding, typer.Option(help="Optimizer / parameter sharding over dp × cp.")
     ] = Sharding.zero1,
+    backend: Annotated[
+        Backend,
+        typer.Option(
+            help="policy.backend: native, or megatron (Megatron-core schedules: pp ≥ 2, no "
+            "gpipe, cp > 1 only on GPUs with Transformer Engine)."
+        ),
+    ] = Backend.native,
     precision: Annotated[
         Precision | None, typer.Option(help="Training precision (default: the hardware's).")
     ] = None,
@@ -207,6 +219,7 @@ def profile_command(
         draft_vocab=draft_vocab,
         recompute=recompute.value,
         schedule=schedule.value,
+        backend=backend.value,
         precision=(precision.value if precision else hw.precision),
         sharding=sharding.value,
         teacher_shift=teacher_shift.value,
@@ -248,7 +261,8 @@ def profile_command(
         )
         caption = (
             f"{hw.describe()}\n{work.precision}, {work.sharding}, recompute {work.recompute}, "
-            f"TTT K={work.ttt_steps} {work.ttt_mode}, teacher shift {work.teacher_shift}; "
+            f"TTT K={work.ttt_steps} {work.ttt_mode}, teacher shift {work.teacher_shift}, "
+            f"backend {work.backend}; "
             f"{len(result.feasible)} of {len(result.ranked())} candidate layouts fit, "
             f"{len(result.rejected)} cannot run"
         )
@@ -278,6 +292,12 @@ def _check_measurable(cfg, gpus: int, work) -> None:
             f"--measure runs the model on every local rank; {cfg.num_params / 1e6:.0f} M "
             f"parameters is more than {MEASURE_MAX_PARAMS / 1e6:.0f} M",
             hint="measure a small shape (e.g. --model toy-small or a small config.json)",
+        )
+    if work.backend != "native":
+        raise ConfigError(
+            "--measure runs specrl's native pipelined step, not Megatron-core's",
+            hint="drop --measure (or use --backend native); benchmarks/tap_channel.py times "
+            "Megatron-core against the native pipeline",
         )
     if work.recompute != "none":
         raise ConfigError(

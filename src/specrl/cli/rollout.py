@@ -22,7 +22,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from specrl.cli.common import progress_bar
-from specrl.cli.ui import JsonOpt, emit_json, err, kv_table, out, want_json
+from specrl.cli.ui import JsonOpt, OverwriteOpt, emit_json, err, kv_table, out, want_json
 
 app = typer.Typer(
     help="Speculative rollouts: generate for a prompt file, or serve over HTTP.",
@@ -118,43 +118,45 @@ def chat_codec(target: Path):
 
 def read_prompts(path: Path) -> list[tuple[int, dict[str, Any]]]:
     """(line number, record) of a prompt JSONL file; a bad line raises DataError FILE:LINE."""
+    from specrl.core.fsio import check_unicode, text_lines
     from specrl.errors import DataError
 
     if not path.is_file():
         raise DataError(f"prompt file '{path}' does not exist")
     records = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: malformed JSON ({exc.msg})") from None
-            if not isinstance(rec, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-            if not isinstance(rec.get("prompt"), str) or not rec["prompt"]:
-                raise DataError(f"{where}: needs a non-empty string field 'prompt'")
-            if "id" in rec and not isinstance(rec["id"], (str, int)):
-                raise DataError(f"{where}: field 'id' must be a string or an integer")
-            records.append((lineno, rec))
+    for lineno, line in text_lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: malformed JSON ({exc.msg})") from None
+        except RecursionError:
+            raise DataError(f"{where}: JSON nested too deeply") from None
+        if not isinstance(rec, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        if not isinstance(rec.get("prompt"), str) or not rec["prompt"]:
+            raise DataError(f"{where}: needs a non-empty string field 'prompt'")
+        check_unicode(rec["prompt"], f"{where}: field 'prompt'")
+        if "id" in rec and not isinstance(rec["id"], (str, int)):
+            raise DataError(f"{where}: field 'id' must be a string or an integer")
+        if isinstance(rec.get("id"), str):
+            check_unicode(rec["id"], f"{where}: field 'id'")
+        records.append((lineno, rec))
     if not records:
         raise DataError(f"{path}: no prompts")
     return records
 
 
 def write_jsonl_atomic(path: Path, rows: list[dict[str, Any]]) -> None:
-    """Write ``rows`` to a temporary file next to ``path``, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with tmp.open("w", encoding="utf-8") as fh:
-            for row in rows:
-                fh.write(json.dumps(row) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write ``rows`` through a temporary file next to ``path``, made durable and renamed into
+    place (:func:`specrl.core.fsio.atomic_file`)."""
+    from specrl.core.fsio import atomic_file
+
+    with atomic_file(path, "w") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
 
 
 @app.callback(invoke_without_command=True)
@@ -181,6 +183,7 @@ def rollout_command(
     compile: CompileOpt = False,
     chat_template: ChatOpt = False,
     backend: BackendOpt = Backend.embedded,
+    overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Generate n samples per prompt of a JSONL file with speculative decoding."""
@@ -192,10 +195,12 @@ def rollout_command(
     assert target is not None and prompts is not None and out_file is not None
     if not 0 < top_p <= 1:
         raise typer.BadParameter("must be in (0, 1]", param_hint="'--top-p'")
+    from specrl.core.fsio import check_output
     from specrl.errors import DataError
     from specrl.rollout import Request, SamplingParams
     from specrl.rollout.factory import build_engine
 
+    check_output(out_file, kind="file", inputs=[prompts, target, draft], overwrite=overwrite)
     records = read_prompts(prompts)
     config = rollout_config(proposers, k, batch_size, compile, draft, backend)
     codec = chat_codec(target) if chat_template else None
@@ -275,6 +280,14 @@ def serve_command(
             "SPECRL_UPDATE_TOKEN; neither: weight updates are refused).",
         ),
     ] = None,
+    weights_dir: Annotated[
+        Optional[list[Path]],
+        typer.Option(
+            "--weights-dir",
+            help="Directory POST /v1/weights may read .safetensors files from (repeatable; "
+            "the served --target and --draft directories are always allowed, nothing else).",
+        ),
+    ] = None,
     proposers: ProposersOpt = "ngram",
     draft: DraftOpt = None,
     k: KOpt = 4,
@@ -309,6 +322,9 @@ def serve_command(
             raise ConfigError(f"token file '{update_token_file}' is empty")
     elif os.environ.get("SPECRL_UPDATE_TOKEN"):
         token = os.environ["SPECRL_UPDATE_TOKEN"].strip()
+    for d in weights_dir or ():
+        if not d.is_dir():
+            raise ConfigError(f"--weights-dir '{d}' is not a directory")
     config = rollout_config(proposers, k, batch_size, compile, draft)
     codec = chat_codec(target) if chat_template else None
     engine = build_engine(config, target, draft, codec=codec, device=device, seed=seed)
@@ -325,9 +341,16 @@ def serve_command(
         max_n=max_n,
     )
     worker = EngineWorker(engine)
+    # weight files: the served checkpoints' own directories and those the operator names
+    allowed = [target, *([draft] if draft is not None else []), *(weights_dir or ())]
     api = create_app(
-        worker, engine.codec, model_name=target.name, limits=limits, update_token=token
+        worker,
+        engine.codec,
+        model_name=target.name,
+        limits=limits,
+        update_token=token,
+        weights_dirs=allowed,
     )
-    updates = "enabled" if token else "disabled"
+    updates = f"enabled, from {', '.join(map(str, allowed))}" if token else "disabled"
     err.print(f"serving {target} on http://{host}:{port} (weight updates {updates})")
     uvicorn.Server(uvicorn.Config(api, host=host, port=port, log_level="info")).run()

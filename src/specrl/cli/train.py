@@ -19,11 +19,31 @@ def train_command(
     recipe: Annotated[Path, typer.Argument(help="Recipe YAML.")],
     overrides: SetOpt = None,
     resume: Annotated[
-        bool, typer.Option("--resume", help="Continue from the run directory's latest checkpoint.")
+        bool,
+        typer.Option(
+            "--resume",
+            help="Continue from the run directory's newest usable checkpoint (an unreadable "
+            "newest one is skipped with a warning).",
+        ),
+    ] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Start over in a run directory that holds a previous run: deletes its "
+            "metrics.jsonl, checkpoints and plots (nothing else).",
+        ),
     ] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Warm-start/initialise what is missing, then RL with a co-trained draft."""
+    """Warm-start/initialise what is missing, then RL with a co-trained draft.
+
+    Relative paths in the recipe (policy.path, draft.path, run.out_dir, task.path) resolve
+    against the current directory, not the recipe's; the resolved run directory (and where a
+    warm-started policy or a new draft was written) is printed before training starts.  A run
+    directory has one writer at a time (a second train on it stops at once), and one that
+    holds a run is only continued with --resume or started over with --overwrite.
+    """
     from specrl.train.loop import build_trainer
     from specrl.train.metrics import summarize
 
@@ -33,10 +53,16 @@ def train_command(
         def prep(phase: str, done: int, total: int, info: str) -> None:
             update(done, total, f"{phase}: {info}")
 
-        trainer = build_trainer(rec, source=str(recipe), resume=resume, progress=prep)
+        trainer = build_trainer(
+            rec, source=str(recipe), resume=resume, overwrite=overwrite, progress=prep
+        )
     rank0 = trainer.rank == 0
+    if rank0:
+        err.print(f"[dim]run directory:[/] {trainer.run_dir.resolve()}")
     for what, note in trainer.created.items():
         err.print(f"[dim]{what}:[/] {note}")
+    for warning in trainer.warnings if rank0 else ():
+        err.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
     steps = rec.train.steps
     with progress_bar("train", steps) as update:
         update(trainer.start_step, steps, "")

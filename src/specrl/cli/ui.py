@@ -33,6 +33,14 @@ JsonOpt = Annotated[
     bool,
     typer.Option("--json", help="Print the result as JSON on stdout (same as the global flag)."),
 ]
+OverwriteOpt = Annotated[
+    bool,
+    typer.Option(
+        "--overwrite",
+        help="Replace an existing output that specrl did not write (never an input of the "
+        "command, '.', or a directory above it).",
+    ),
+]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option(

@@ -8,7 +8,16 @@ from typing import Annotated
 import typer
 
 from specrl.cli.common import load, progress_bar, write_resolved
-from specrl.cli.ui import JsonOpt, SetOpt, emit_json, err, kv_table, out, want_json
+from specrl.cli.ui import (
+    JsonOpt,
+    OverwriteOpt,
+    SetOpt,
+    emit_json,
+    err,
+    kv_table,
+    out,
+    want_json,
+)
 
 
 def warmstart_command(
@@ -17,9 +26,11 @@ def warmstart_command(
         Path | None, typer.Option("--out", help="Checkpoint directory (default: policy.path).")
     ] = None,
     overrides: SetOpt = None,
+    overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Train a tiny target from scratch on worked task solutions; write an HF checkpoint."""
+    from specrl.core.fsio import check_output
     from specrl.errors import ConfigError
     from specrl.train.warmstart import run_warmstart, task_from_recipe
 
@@ -29,6 +40,9 @@ def warmstart_command(
         raise ConfigError(
             f"{recipe}: policy.path is empty", hint="pass --out DIR or set policy.path"
         )
+    check_output(
+        dest, kind="dir", inputs=[recipe, rec.task.path, rec.run.directory], overwrite=overwrite
+    )
     task = task_from_recipe(rec)  # validate data files before any output is written
     write_resolved(rec, rec.run.directory)
     steps = rec.policy.warmstart.steps if rec.policy.warmstart else 0
@@ -38,7 +52,7 @@ def warmstart_command(
             info = f"loss {loss:.3f}" + (f"  acc {acc:.1%}" if acc is not None else "")
             update(step, total, info)
 
-        res = run_warmstart(rec, dest, task=task, progress=report)
+        res = run_warmstart(rec, dest, task=task, progress=report, overwrite=overwrite)
     result = {
         "checkpoint": res.path,
         "params": res.num_params,

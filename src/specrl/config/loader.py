@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import tempfile
 import types
 import typing
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import yaml
 
+from specrl.core.fsio import atomic_write_text
 from specrl.errors import ConfigError
 
 T = TypeVar("T")
@@ -246,23 +246,6 @@ def load_recipe(
 def dump_recipe(obj: Any, path: str | os.PathLike[str]) -> None:
     """Write the resolved recipe atomically (temp file + rename)."""
     atomic_write_text(path, yaml.safe_dump(to_dict(obj), sort_keys=False))
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write a text file so readers see either the old or the complete new content."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def field_docs(cls: type, prefix: str = "") -> dict[str, str]:

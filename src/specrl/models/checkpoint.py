@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from specrl.core.fsio import atomic_directory
 from specrl.errors import CheckpointError
 from specrl.models.config import ModelConfig
 from specrl.models.decoder import Transformer
@@ -187,31 +186,6 @@ def _shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[s
     return shards
 
 
-def atomic_directory(dest: str | os.PathLike[str]):
-    """Context manager: yields a temp dir next to ``dest``; on success it replaces ``dest``."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def _cm():
-        d = Path(dest)
-        d.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=d.parent, prefix=f".{d.name}.tmp-"))
-        try:
-            yield tmp
-            old = None
-            if d.exists():
-                old = d.parent / f".{d.name}.old-{os.getpid()}"
-                os.replace(d, old)
-            os.replace(tmp, d)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-    return _cm()
-
-
 def save_model(
     model: Transformer,
     path: str | os.PathLike[str],
@@ -220,8 +194,11 @@ def save_model(
     dtype: torch.dtype | str | None = None,
     max_shard_bytes: int = 5 * 2**30,
     extra_files: dict[str, str] | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write ``model`` as an HF-format directory (sharded + index above ``max_shard_bytes``)."""
+    """Write ``model`` as an HF-format directory (sharded + index above ``max_shard_bytes``);
+    an existing ``path`` specrl did not write is refused unless ``overwrite``
+    (:func:`specrl.core.fsio.atomic_directory`)."""
     dt = parse_dtype(dtype, default=model.dtype)
     config = model.config
     state = {k: v.detach().to("cpu", dt).contiguous() for k, v in model.state_dict().items()}
@@ -229,7 +206,7 @@ def save_model(
         state.pop("lm_head.weight", None)
     hf = config.to_hf_dict()
     hf["torch_dtype"] = dtype_name(dt)
-    with atomic_directory(path) as tmp:
+    with atomic_directory(path, kind="hf-checkpoint", overwrite=overwrite) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
         shards = _shards(state, max_shard_bytes)
         if len(shards) == 1:

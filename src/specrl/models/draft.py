@@ -1,4 +1,4 @@
-"""EAGLE-3 draft head (REFERENCE §2): fc over three target taps, one decoder layer, reduced vocab.
+"""EAGLE-3 draft head (docs/draft.md): fc over three target taps, one decoder layer, reduced vocab.
 
 Structure (names are those of the serving format, so export is a rename-free copy)::
 
@@ -408,7 +408,7 @@ def _need_no_grad() -> None:
 
 
 def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
-    """Top-``draft_vocab_size`` target ids by count, sorted by id (REFERENCE §2).
+    """Top-``draft_vocab_size`` target ids by count, sorted by id (``d2t``/``t2d`` derive from it).
 
     ``counts`` [V]: token frequencies under the loss mask.  Ties break toward lower ids; if fewer
     tokens were seen than the draft vocabulary holds, the rest is filled with the lowest unseen

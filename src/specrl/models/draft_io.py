@@ -14,7 +14,7 @@ embedding.  Policy on mismatch (documented in the README):
 - embedding hash differs → warning only: the same model whose weights moved (an RL-updated
   policy); the draft's frozen embedding is refreshed from the target given.
 
-**Serving export** (REFERENCE §2; what vLLM and SGLang load): ``config.json`` with
+**Serving export** (docs/draft.md; what vLLM and SGLang load): ``config.json`` with
 ``architectures: ["LlamaForCausalLMEagle3"]`` and the aux layer ids written explicitly in the
 chosen server's convention, plus ``model.safetensors`` (``fc``, ``midlayer.*``, ``norm``,
 ``lm_head``, ``d2t`` int64, ``t2d`` bool; no embedding).  A full-size draft vocabulary has no
@@ -36,8 +36,9 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import save_file
 
+from specrl.core.fsio import atomic_directory
 from specrl.errors import CheckpointError
-from specrl.models.checkpoint import atomic_directory, dtype_name, parse_dtype, read_safetensors
+from specrl.models.checkpoint import dtype_name, parse_dtype, read_safetensors
 from specrl.models.config import ModelConfig, default_tap_layers
 from specrl.models.decoder import Transformer
 from specrl.models.draft import DraftConfig, Eagle3Draft
@@ -141,6 +142,7 @@ def save_draft(
     target: Transformer,
     provenance: dict[str, Any] | None = None,
     extra_files: dict[str, str] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     meta = {
         "format": FORMAT,
@@ -153,7 +155,7 @@ def save_draft(
         "target_fingerprint": target_fingerprint(target),
         "provenance": provenance or {},
     }
-    with atomic_directory(path) as tmp:
+    with atomic_directory(path, kind="draft", overwrite=overwrite) as tmp:
         save_file(draft_state(draft), str(tmp / DRAFT_WEIGHTS), metadata={"format": "pt"})
         (tmp / DRAFT_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         for name, text in (extra_files or {}).items():
@@ -321,11 +323,13 @@ def export_draft(
     *,
     server: Server = "vllm",
     dtype: torch.dtype | str = "bfloat16",
+    overwrite: bool = False,
 ) -> Path:
-    """Write the serving format (config.json + model.safetensors, no embedding), atomically."""
+    """Write the serving format (config.json + model.safetensors, no embedding), atomically;
+    an existing ``path`` specrl did not write is refused unless ``overwrite``."""
     dt = parse_dtype(dtype)
     tensors = serving_tensors(draft, server, dt)
-    with atomic_directory(path) as tmp:
+    with atomic_directory(path, kind="eagle3-export", overwrite=overwrite) as tmp:
         cfg = export_config(draft, server, dt)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -10,7 +10,7 @@ nothing); a :class:`Plan` holds the inference copies of a module's weights:
 - on CPU, the **transposed** row concatenation, [in, out] contiguous, for every projection
   (single ones included): MKL runs ``x @ W`` on it faster at decode sizes than ``x @ Wᵀ`` on
   the parameter's [out, in] layout, and ``mm``/``addmm`` skip ``linear``'s dispatch layers
-  (``benchmarks/fused_projections.py``);
+  (measured on the toy targets: docs/benchmarks.md, "Studies");
 - elsewhere, the row concatenation (none for a single weight: the parameter itself) for
   ``F.linear``, whose transposed operand the GPU GEMMs take as it is.
 
@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 # The inference copies' layout on CPU: "transposed" ([in, out], for mm/addmm) or "rows" (the
-# [out, in] row concatenation for F.linear, as on GPU).  ``benchmarks/fused_projections.py``
-# switches it to measure both; a copy built under the other layout is rebuilt on next use.
+# [out, in] row concatenation for F.linear, as on GPU).  The tests run both layouts; a copy
+# built under the other layout is rebuilt on next use.
 CPU_LAYOUT = "transposed"
 
 

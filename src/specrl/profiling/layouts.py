@@ -14,7 +14,11 @@ implementation enforces (:mod:`specrl.core.parallel`, :mod:`specrl.core.pipeline
 - context: zigzag sharding pads every sequence to a multiple of ``2 · cp`` (the cost of the pad is
   modelled, not rejected) and needs ``seq_len ≥ 2 · cp`` when cp > 1.  Attention heads impose
   nothing: the ring splits the sequence, not the heads, and there is no tensor parallelism;
-- nodes: more devices than one node holds must be whole nodes (``N mod gpus_per_node = 0``).
+- nodes: more devices than one node holds must be whole nodes (``N mod gpus_per_node = 0``);
+- backend (``policy.backend``): Megatron-core runs its own pipeline schedules, so it needs
+  ``pp ≥ 2``, has no GPipe, runs interleaving only with at least ``pp`` microbatches per replica
+  (its microbatch groups per virtual stage are ``pp`` long), and its context parallelism needs
+  Transformer Engine's attention: ``cp > 1`` only on GPUs.
 
 Placement follows the rank order of :class:`~specrl.core.parallel.ParallelDims`
 (``rank = (pp_index · dp + dp_index) · cp + cp_index``, cp innermost), so with g devices per node
@@ -36,6 +40,7 @@ from specrl.errors import LayoutError
 
 VIRTUAL_OPTIONS: tuple[int, ...] = (1, 2, 4)
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+BACKENDS: tuple[str, ...] = ("native", "megatron")
 
 
 @dataclass(frozen=True, order=True)
@@ -126,11 +131,22 @@ def check_layout(
     micro_batch: int,
     global_batch: int,
     schedule: str,
+    backend: str = "native",
+    cuda: bool = True,
 ) -> str | None:
-    """Why ``layout`` cannot run this job (None: it can)."""
+    """Why ``layout`` cannot run this job (None: it can); ``cuda``: the devices are GPUs."""
     if schedule not in SCHEDULES:
         raise LayoutError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
+    if backend not in BACKENDS:
+        raise LayoutError(f"unknown policy backend {backend!r}; choose one of {BACKENDS}")
     dp, cp, pp, v = layout.dp, layout.cp, layout.pp, layout.virtual
+    if backend == "megatron":
+        if pp < 2:
+            return "policy.backend=megatron runs Megatron's pipeline schedules: needs pp ≥ 2"
+        if schedule == "gpipe":
+            return "Megatron-core has no gpipe schedule"
+        if cp > 1 and not cuda:
+            return "Megatron-core's context parallelism needs Transformer Engine (GPU)"
     if pp * v > num_layers:
         return f"pp × virtual = {pp * v} stages > {num_layers} layers"
     if v > 1:
@@ -156,6 +172,8 @@ def check_layout(
         rounds = max(1, n // pp)
         if n % rounds:
             return f"interleaved 1F1B needs the {n} microbatches to be a multiple of {rounds}"
+        if backend == "megatron" and n < pp:
+            return f"Megatron's interleaved schedule needs ≥ pp = {pp} microbatches, got {n}"
     return None
 
 
@@ -170,6 +188,8 @@ def enumerate_layouts(
     schedule: str = "1f1b",
     gpus_per_node: int = 8,
     virtual_options: tuple[int, ...] = VIRTUAL_OPTIONS,
+    backend: str = "native",
+    cuda: bool = True,
 ) -> tuple[list[Layout], list[Rejected]]:
     """Every ``dp · cp · pp = gpus`` layout (virtual chunks included), split into those that can
     run the job and those that cannot (with the reason)."""
@@ -198,6 +218,8 @@ def enumerate_layouts(
                     micro_batch=micro_batch,
                     global_batch=global_batch,
                     schedule=sched,
+                    backend=backend,
+                    cuda=cuda,
                 )
                 if why is None:
                     ok.append(layout)

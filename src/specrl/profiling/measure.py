@@ -8,7 +8,7 @@ model, keeps its pipeline chunks (the rest is freed before the step), runs one w
 allocates the optimizer states and the pipeline's buffers) and then the measured step:
 
 - memory on CPU comes from the allocator's own event stream (``torch.profiler`` with
-  ``profile_memory``, the method of ``benchmarks/memory.py``): every allocation and free since the
+  ``profile_memory``, as ``benchmarks.harness.peak_bytes``): every allocation and free since the
   rank began building its model, summed in time order; the peak of that curve inside the measured
   step is the rank's peak memory.  Exact (every byte the allocator hands out) and blind to other
   processes; it moves by a few percent between runs with the timing of asynchronous sends and

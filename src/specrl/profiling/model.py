@@ -165,6 +165,8 @@ class Workload:
     """activation recompute of the policy's layers"""
     schedule: str = "1f1b"
     """pipeline schedule for virtual = 1 (gpipe or 1f1b); virtual > 1 runs interleaved"""
+    backend: str = "native"
+    """policy.backend: native (specrl's decoder) or megatron (Megatron-core's schedules)"""
     precision: Precision = "bf16"
     """bf16 mixed precision (fp32 grads, master, moments) or plain fp32"""
     sharding: Sharding = "zero1"
@@ -737,6 +739,8 @@ def plan(
         schedule=w.schedule,
         gpus_per_node=hw.gpus_per_node,
         virtual_options=virtual_options,
+        backend=w.backend,
+        cuda=hw.name != "cpu",
     )
     estimates = [estimate(cfg, layout, w, hw) for layout in ok]
     # fastest first; equal times (to 4 digits) prefer the smaller memory footprint

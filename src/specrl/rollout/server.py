@@ -12,14 +12,27 @@ Endpoints:
 - ``GET /metrics``: Prometheus text format (engine counters, τ, per-position acceptance…).
 - ``POST /v1/weights``: ``{"path": file.safetensors, "target": "policy"|"draft", "version"}``
   loads weights from the server's own disk, guarded by a bearer token; refused (403) when the
-  server was started without one.
+  server was started without one.  Only files inside the operator's ``weights_dirs`` are read
+  (symlinks and ``..`` resolved first); any other path gets one and the same 400, whether or not
+  it exists, so the endpoint tells nothing about files outside.  The update is validated
+  completely (:mod:`specrl.rollout.weights`: names, shapes, dtypes, finite values, the draft's
+  vocabulary map) before any weight is replaced.
 
 Concurrency: one :class:`EngineWorker` thread owns the engine.  Handlers put requests on its
 queue and await a future; the worker admits everything queued between two steps, so requests
-of many clients share one continuous batch.  Weight updates run between steps.
+of many clients share one continuous batch.  Weight updates run between steps.  The event loop
+never does request-sized work: bodies are parsed and prompts tokenized in a thread pool, and
+``/health`` reads a few counters without waiting for the engine.
 
-Bounds: request body bytes (413), prompts per request, prompt tokens, ``max_tokens``, ``n`` and
-stop strings (400, with a message naming the field).  Errors use OpenAI's error object.
+Bounds, all checked before tokenizing: request body bytes (413), JSON nesting depth, strings
+that are not Unicode text (lone surrogates such as ``"\\ud800"``), prompts per request, prompt
+characters, ``max_tokens``, ``n`` and stop strings (400, with a message naming the field); then
+prompt tokens.  Errors use OpenAI's error object, unexpected ones too (500).
+
+Failure and abandonment: a client that disconnects cancels its request — its samples leave the
+engine (queued or running) at the next step boundary.  An engine step that raises fails the
+requests that were in it (500 with the error) and the worker goes on serving the others and
+later ones; only a failure of the worker itself answers 503.
 Shutdown: uvicorn stops accepting on SIGINT/SIGTERM and lets in-flight requests finish; then the
 lifespan hook stops the worker after it drained its queue.
 """
@@ -29,12 +42,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import math
+import os
 import queue
+import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +67,8 @@ from specrl.models.tokenizer import TextCodec
 from specrl.rollout.engine import Request, Result, RolloutEngine
 from specrl.rollout.sampling import SamplingParams
 
+log = logging.getLogger("specrl.rollout.server")
+
 
 @dataclass(frozen=True)
 class ServerLimits:
@@ -59,9 +77,13 @@ class ServerLimits:
     max_body_bytes: int = 1 << 20
     max_prompts: int = 64  # prompts in one request
     max_prompt_tokens: int = 4096
+    # characters of one prompt, checked before tokenizing; None: the most that max_prompt_tokens
+    # tokens can cover (prompt_char_bound)
+    max_prompt_chars: int | None = None
     max_tokens: int = 4096
     max_n: int = 16
     max_stop: int = 4  # stop strings (OpenAI's limit)
+    max_json_depth: int = 16  # nesting of arrays/objects in a request body
 
 
 class ApiError(Exception):
@@ -70,6 +92,14 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+
+
+class StepFailure(Exception):
+    """The engine step a request was in raised; the request was dropped (the server goes on)."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before its results were ready; its work was cancelled."""
 
 
 # ---------------------------------------------------------------------------- engine worker
@@ -97,6 +127,8 @@ class _Job:
 class EngineWorker:
     """Owns the engine in one thread; requests of many clients join its continuous batch."""
 
+    poll_seconds = 0.05  # how often a waiting handler checks that its client is still there
+
     def __init__(self, engine: RolloutEngine) -> None:
         self.engine = engine
         self._inbox: queue.SimpleQueue[tuple[str, Any, _Job | None]] = queue.SimpleQueue()
@@ -104,7 +136,10 @@ class EngineWorker:
         self._lock = threading.Lock()  # engine state, for stats() from other threads
         self._thread = threading.Thread(target=self._loop, name="specrl-engine", daemon=True)
         self._next = 0
-        self.failure: BaseException | None = None
+        self.failure: BaseException | None = None  # the worker itself failed: no more serving
+        self.delivered = 0  # samples returned to clients
+        self.cancelled = 0  # requests dropped because their client went away
+        self.step_failures = 0  # engine steps that raised (their requests failed)
 
     def start(self) -> None:
         self._thread.start()
@@ -120,14 +155,53 @@ class EngineWorker:
         return self._thread.is_alive() and self.failure is None
 
     def snapshot(self) -> dict[str, Any]:
+        """The engine's stats (waits for the step under way) and the worker's counters."""
         with self._lock:
-            return self.engine.stats()
+            stats = self.engine.stats()
+        return {**stats, "server": self.counters()}
 
-    async def generate(self, requests: list[Request]) -> list[Result]:
-        """Results of all samples of ``requests`` (request-major, then sample index)."""
+    def counters(self) -> dict[str, int]:
+        return {
+            "delivered": self.delivered,
+            "cancelled": self.cancelled,
+            "step_failures": self.step_failures,
+        }
+
+    def health(self) -> dict[str, Any]:
+        """Versions and queue sizes, read without waiting for the engine (ints the worker
+        thread updates; a read may be one step old)."""
+        e = self.engine
+        return {
+            "policy_version": e.policy_version,
+            "draft_version": e.draft_version,
+            "running": e.num_running,
+            "waiting": e.num_waiting,
+            "finished": self.delivered,
+            **{k: v for k, v in self.counters().items() if k != "delivered"},
+        }
+
+    async def generate(
+        self,
+        requests: list[Request],
+        disconnected: Callable[[], Awaitable[bool]] | None = None,
+    ) -> list[Result]:
+        """Results of all samples of ``requests`` (request-major, then sample index).
+
+        ``disconnected``: polled while waiting; once it answers True the requests leave the
+        engine and :class:`ClientGone` is raised (as they do when the handler is cancelled)."""
         job = _Job(asyncio.get_running_loop())
         self._inbox.put(("generate", requests, job))
-        return await job.future
+        try:
+            while True:
+                done, _ = await asyncio.wait({job.future}, timeout=self.poll_seconds)
+                if done:
+                    return job.future.result()
+                if disconnected is not None and await disconnected():
+                    self._inbox.put(("cancel", None, job))
+                    raise ClientGone("the client disconnected; its requests were cancelled")
+        except asyncio.CancelledError:
+            self._inbox.put(("cancel", None, job))
+            raise
 
     async def update_weights(self, **kwargs: Any) -> None:
         job = _Job(asyncio.get_running_loop())
@@ -155,20 +229,47 @@ class EngineWorker:
             try:
                 with self._lock:
                     finished = self.engine.step()
-            except Exception as exc:  # a bug: fail every waiting client, stop serving
-                self.failure = exc
-                for job in {id(j): j for j in self._jobs.values()}.values():
-                    job.resolve(error=exc)
-                self._jobs.clear()
-                return
+            except Exception as exc:
+                if not self._fail_step(exc):
+                    return
+                continue
             for r in finished:
                 self._deliver(r)
+
+    def _fail_step(self, exc: Exception) -> bool:
+        """A step raised: fail the requests that were in it (every request with a sample out of
+        the queue), drop them from the engine, keep serving.  False when even that failed."""
+        self.step_failures += 1
+        log.error("engine step failed; failing the requests in it", exc_info=exc)
+        first = (str(exc).splitlines() or [""])[0][:200]
+        error = StepFailure(f"the engine step failed ({type(exc).__name__}: {first})")
+        try:
+            with self._lock:
+                queued = self.engine.queued_requests()
+                failed = {id(job): job for rid, job in self._jobs.items() if rid not in queued}
+                ids = [rid for rid, job in self._jobs.items() if id(job) in failed]
+                self.engine.abort(ids)
+        except Exception as again:  # the engine cannot recover: fail everyone, stop serving
+            self.failure = again
+            log.error("the engine could not drop the failed requests; stopping", exc_info=again)
+            for job in {id(j): j for j in self._jobs.values()}.values():
+                job.resolve(error=error)
+            self._jobs.clear()
+            return False
+        for rid in ids:
+            del self._jobs[rid]
+        for job in failed.values():
+            job.resolve(error=error)
+        return True
 
     def _handle(self, kind: str, payload: Any, job: _Job | None) -> bool:
         """Apply one inbox item; True for the stop sentinel."""
         if kind == "stop":
             return True
         assert job is not None
+        if kind == "cancel":
+            self._cancel(job)
+            return False
         try:
             with self._lock:
                 if kind == "weights":
@@ -182,15 +283,31 @@ class EngineWorker:
         except (ValueError, SpecrlError) as exc:
             job.resolve(error=exc)
             return False
+        except Exception as exc:  # a bug, but only this call's: answer 500, keep serving
+            log.error("engine call %r failed", kind, exc_info=exc)
+            job.resolve(error=StepFailure(f"the engine failed ({type(exc).__name__}: {exc})"))
+            return False
         job.pending = sum(r.params.n for r in payload)
         for rid in ids:
             self._jobs[rid] = job
         return False
 
+    def _cancel(self, job: _Job) -> None:
+        """Drop a job's requests from the engine (its client is gone); no-op once answered."""
+        ids = [rid for rid, j in self._jobs.items() if j is job]
+        if not ids:
+            return
+        with self._lock:
+            self.engine.abort(ids)
+        for rid in ids:
+            del self._jobs[rid]
+        self.cancelled += len(ids)
+
     def _deliver(self, result: Result) -> None:
         job = self._jobs[result.request_id]
         job.results.append(result)
         job.pending -= 1
+        self.delivered += 1
         if job.pending == 0:
             order = {rid: i for i, rid in enumerate(self._jobs)}
             job.results.sort(key=lambda r: (order[r.request_id], r.index))
@@ -200,8 +317,8 @@ class EngineWorker:
 
 
 # ---------------------------------------------------------------------------- parsing
-async def read_json(request: HttpRequest, max_bytes: int) -> dict[str, Any]:
-    """The JSON object of a request body, read with a byte cap (413) and parsed (400)."""
+async def read_body(request: HttpRequest, max_bytes: int) -> bytes:
+    """A request body, read with a byte cap (413)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise ApiError(413, f"request body of {declared} bytes exceeds the {max_bytes}-byte limit")
@@ -210,13 +327,67 @@ async def read_json(request: HttpRequest, max_bytes: int) -> dict[str, Any]:
         body += chunk
         if len(body) > max_bytes:
             raise ApiError(413, f"request body exceeds the {max_bytes}-byte limit")
+    return bytes(body)
+
+
+def parse_json(body: bytes, max_depth: int) -> dict[str, Any]:
+    """The JSON object of a body (400 unless it is one): nested at most ``max_depth`` arrays or
+    objects deep, every string (keys too) Unicode text — a lone surrogate escape such as
+    ``"\\ud800"`` decodes to a str that no tokenizer or encoder takes."""
     try:
         data = json.loads(body)
+    except RecursionError:  # the C scanner's own guard, long before the interpreter's stack
+        raise ApiError(400, f"JSON nested deeper than {max_depth} levels") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"malformed JSON body: {exc}") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    stack: list[tuple[Any, int, str]] = [(data, 1, "")]
+    while stack:
+        value, depth, where = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > max_depth:
+                raise ApiError(400, f"JSON nested deeper than {max_depth} levels", where or None)
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):
+                    _text(key, where or "body")
+                    path = f"{where}.{key}" if where else key
+                else:
+                    path = f"{where}[{key}]"
+                stack.append((item, depth + 1, path))
+        elif isinstance(value, str):
+            _text(value, where)
     return data
+
+
+def _text(value: str, where: str) -> None:
+    if value.isascii():
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = ord(value[exc.start])
+        raise ApiError(
+            400,
+            f"'{where}' is not valid Unicode text: lone surrogate \\u{char:04x} at character "
+            f"{exc.start}",
+            where.split(".")[0].split("[")[0] or None,
+        ) from None
+
+
+def prompt_char_bound(codec: TextCodec, max_prompt_tokens: int) -> int | None:
+    """The most characters ``max_prompt_tokens`` tokens can cover, so longer prompts are refused
+    before tokenizing: tokens × the longest vocabulary entry (a byte-level BPE entry is one
+    character per byte, so it bounds characters too), × 4 when the tokenizer normalizes text
+    (NFC composes at most 4 code points into one).  None where no such bound exists (a
+    WordPiece model maps an arbitrarily long unknown word to one token)."""
+    backend = getattr(codec.tokenizer, "backend", None)
+    get_vocab = getattr(backend, "get_vocab", None)
+    if get_vocab is None or type(getattr(backend, "model", None)).__name__ == "WordPiece":
+        return None
+    longest = max((len(t) for t in get_vocab(with_added_tokens=True)), default=1)
+    return max_prompt_tokens * longest * (4 if backend.normalizer is not None else 1)
 
 
 def _int(body: dict, name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
@@ -244,9 +415,16 @@ def _float(body: dict, name: str, default: float, lo: float, hi: float, lo_open=
 
 
 def parse_completion(
-    body: dict[str, Any], codec: TextCodec, limits: ServerLimits, max_model_len: int
+    body: dict[str, Any],
+    codec: TextCodec,
+    limits: ServerLimits,
+    max_model_len: int,
+    max_chars: int | None = None,
 ) -> tuple[list[Request], list[int]]:
-    """Engine requests (one per prompt) and prompt token counts from a completions body."""
+    """Engine requests (one per prompt) and prompt token counts from a completions body.
+
+    Everything that needs no tokenizer is checked first (fields, counts, each prompt's length
+    against ``max_chars``), so an oversized prompt is refused without being tokenized."""
     if body.get("stream"):
         raise ApiError(400, "streaming is not supported", "stream")
     if body.get("echo"):
@@ -283,6 +461,15 @@ def parse_completion(
         n=n,
         stop=tuple(stops),
     )
+    if max_chars is not None:
+        for i, text in enumerate(prompts):
+            if len(text) > max_chars:
+                raise ApiError(
+                    400,
+                    f"prompt {i} has {len(text)} characters; at most {max_chars} can fit in "
+                    f"the {limits.max_prompt_tokens}-token limit",
+                    "prompt",
+                )
     requests, counts = [], []
     for i, text in enumerate(prompts):
         ids = codec.encode_prompt(text)
@@ -435,7 +622,48 @@ def prometheus_text(stats: dict[str, Any]) -> str:
     )
     metric("policy_version", "gauge", "Policy weights version.", [({}, stats["policy_version"])])
     metric("draft_version", "gauge", "Draft weights version.", [({}, stats["draft_version"])])
+    server = stats.get("server")
+    if server is not None:  # the HTTP worker's own counters (EngineWorker.counters)
+        metric(
+            "requests_cancelled_total",
+            "counter",
+            "Requests dropped because their client disconnected.",
+            [({}, server["cancelled"])],
+        )
+        metric(
+            "step_failures_total",
+            "counter",
+            "Engine steps that raised (the requests in them failed).",
+            [({}, server["step_failures"])],
+        )
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- weight files
+OUTSIDE = (
+    "'path' must name a .safetensors file inside a directory this server loads weights from "
+    "(rollout serve --weights-dir DIR)"
+)
+
+
+def confine(path: Any, allowed: Sequence[Path]) -> Path:
+    """The real path of weight file ``path`` if it lies inside one of the ``allowed``
+    directories (already resolved), after resolving symlinks and ``..``; otherwise the one
+    :data:`OUTSIDE` error, the same whether the file exists or not."""
+    if not isinstance(path, str) or not path.endswith(".safetensors") or "\0" in path:
+        raise ApiError(400, OUTSIDE, "path")
+    if not os.path.isabs(path):
+        raise ApiError(400, "'path' must be an absolute path", "path")
+    real = Path(os.path.realpath(path))
+    if not any(real.is_relative_to(root) for root in allowed):
+        raise ApiError(400, OUTSIDE, "path")
+    try:  # inside an allowed directory the operator can be told what is wrong
+        info = os.stat(real)
+    except OSError:
+        raise ApiError(400, f"'{path}' does not exist", "path") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ApiError(400, f"'{path}' is not a regular file", "path")
+    return real
 
 
 # ---------------------------------------------------------------------------- the app
@@ -446,11 +674,21 @@ def create_app(
     model_name: str = "specrl",
     limits: ServerLimits | None = None,
     update_token: str | None = None,
+    weights_dirs: Sequence[str | os.PathLike[str]] = (),
     on_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
-    """The FastAPI app; its lifespan starts the worker and stops it after the last request."""
+    """The FastAPI app; its lifespan starts the worker and stops it after the last request.
+
+    ``weights_dirs``: the directories ``POST /v1/weights`` may read files from (none: every
+    path is refused)."""
     limits = limits or ServerLimits()
     engine = worker.engine
+    max_chars = (
+        limits.max_prompt_chars
+        if limits.max_prompt_chars is not None
+        else prompt_char_bound(codec, limits.max_prompt_tokens)
+    )
+    allowed = [Path(os.path.realpath(d)) for d in weights_dirs]
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -462,44 +700,57 @@ def create_app(
 
     app = FastAPI(title="specrl rollout server", lifespan=lifespan)
 
+    def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+        return JSONResponse(body, status_code=status)
+
     @app.exception_handler(ApiError)
     async def api_error(_request: HttpRequest, exc: ApiError) -> JSONResponse:
-        kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        body = {"error": {"message": exc.message, "type": kind, "param": exc.param, "code": None}}
-        return JSONResponse(body, status_code=exc.status)
+        return error(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: HttpRequest, exc: Exception) -> JSONResponse:
+        log.error("unexpected error in a request handler", exc_info=exc)
+        return error(500, f"internal server error ({type(exc).__name__})")
+
+    async def read_json(request: HttpRequest) -> dict[str, Any]:
+        body = await read_body(request, limits.max_body_bytes)
+        return await run_in_threadpool(parse_json, body, limits.max_json_depth)
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest) -> JSONResponse:
-        body = await read_json(request, limits.max_body_bytes)
-        requests, counts = parse_completion(body, codec, limits, engine.max_model_len)
+        body = await read_json(request)
+        # tokenizing is request-sized work: off the event loop, after every cheaper check
+        requests, counts = await run_in_threadpool(
+            parse_completion, body, codec, limits, engine.max_model_len, max_chars
+        )
         if not worker.alive:
             raise ApiError(503, "the engine is not running")
         try:
-            results = await worker.generate(requests)
+            results = await worker.generate(requests, request.is_disconnected)
+        except ClientGone as exc:  # nobody reads this answer; uvicorn drops it
+            raise ApiError(499, str(exc)) from None
+        except StepFailure as exc:
+            raise ApiError(
+                500, f"{exc}; the request was dropped, the server keeps serving"
+            ) from None
         except (ValueError, SpecrlError) as exc:
             raise ApiError(400, str(exc)) from None
         name = body.get("model") if isinstance(body.get("model"), str) else model_name
         want = body.get("logprobs") is not None
-        return JSONResponse(completion_response(results, counts, codec, name, want))
+        response = await run_in_threadpool(completion_response, results, counts, codec, name, want)
+        return JSONResponse(response)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        stats = worker.snapshot()
-        body = {
-            "status": "ok" if worker.alive else "failed",
-            "policy_version": stats["policy_version"],
-            "draft_version": stats["draft_version"],
-            "running": stats["running"],
-            "waiting": stats["waiting"],
-            "finished": stats["finished"],
-        }
+        body = {"status": "ok" if worker.alive else "failed", **worker.health()}
         return JSONResponse(body, status_code=200 if worker.alive else 503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(
-            prometheus_text(worker.snapshot()), media_type="text/plain; version=0.0.4"
-        )
+        stats = await run_in_threadpool(worker.snapshot)  # waits for the step under way
+        return PlainTextResponse(prometheus_text(stats), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/weights")
     async def weights(request: HttpRequest) -> JSONResponse:
@@ -513,25 +764,26 @@ def create_app(
         expected = f"Bearer {update_token}"
         if not hmac.compare_digest(given.encode(), expected.encode()):
             raise ApiError(401, "missing or wrong bearer token")
-        body = await read_json(request, limits.max_body_bytes)
-        path = body.get("path")
-        if not isinstance(path, str) or not Path(path).is_file():
-            raise ApiError(400, "'path' must name a safetensors file on the server", "path")
+        body = await read_json(request)
         target = body.get("target", "policy")
         if target not in ("policy", "draft"):
             raise ApiError(400, "'target' must be 'policy' or 'draft'", "target")
         version = _int(body, "version", None, 0)
+        path = await run_in_threadpool(confine, body.get("path"), allowed)
         try:
-            state = await run_in_threadpool(read_safetensors, [Path(path)])
+            state = await run_in_threadpool(read_safetensors, [path])
+            # validated completely by the engine before anything is replaced
             await worker.update_weights(**{target: state}, version=version)
         except SpecrlError as exc:
             raise ApiError(400, exc.message) from None
-        stats = worker.snapshot()
+        except StepFailure as exc:
+            raise ApiError(500, str(exc)) from None
+        h = worker.health()
         return JSONResponse(
             {
                 "status": "ok",
-                "policy_version": stats["policy_version"],
-                "draft_version": stats["draft_version"],
+                "policy_version": h["policy_version"],
+                "draft_version": h["draft_version"],
             }
         )
 

@@ -1,4 +1,5 @@
-"""Lossless speculative verification (REFERENCE §6), batched over packed rows.
+"""Lossless speculative verification (the ratio test of Leviathan et al. and Chen et al., 2023),
+batched over packed rows.
 
 A sequence b with k_b draft tokens d_1..d_k feeds ``[x, d_1, …, d_k]`` to the target and gets
 k_b + 1 rows of processed target distributions p_1..p_{k+1} (row j scores the token after the

@@ -14,9 +14,11 @@ from pathlib import Path
 
 from specrl.config.loader import dump_recipe
 from specrl.config.schema import Recipe
+from specrl.core.fsio import check_output
 from specrl.errors import CheckpointError, ConfigError
 from specrl.models.draft_io import DRAFT_META
 from specrl.train.layout import TrainLayout
+from specrl.train.rundir import RunDirLock, open_run_dir
 
 Progress = Callable[[str, int, int, str], None]  # (phase, done, total, info)
 
@@ -35,6 +37,18 @@ def check_artifacts(recipe: Recipe, source: str) -> None:
         raise ConfigError(
             f"{source}: policy.path is empty", hint="set policy.path to an HF checkpoint directory"
         )
+    run_dir = recipe.run.directory
+    if not policy_ready(recipe):
+        # the warm-start will write here: nothing it would replace may be lost
+        check_output(
+            recipe.policy.path,
+            kind="dir",
+            inputs=[run_dir, recipe.draft.path if draft_ready(recipe) else None],
+            flag=f"{source}: policy.path",
+            probe=False,
+            fix="point policy.path at an HF checkpoint directory (with config.json) or at a "
+            "new one",
+        )
     if not policy_ready(recipe) and recipe.policy.warmstart is None:
         raise CheckpointError(
             f"{source}: policy.path '{recipe.policy.path}' holds no checkpoint and the recipe "
@@ -47,6 +61,15 @@ def check_artifacts(recipe: Recipe, source: str) -> None:
         raise ConfigError(
             f"{source}: draft.mode is '{recipe.draft.mode}' but draft.path is empty",
             hint="set draft.path, or draft.mode: none",
+        )
+    if not draft_ready(recipe):
+        check_output(
+            recipe.draft.path,
+            kind="dir",
+            inputs=[run_dir, recipe.policy.path],
+            flag=f"{source}: draft.path",
+            probe=False,
+            fix="point draft.path at a specrl draft directory or at a new one",
         )
     if not draft_ready(recipe) and recipe.draft.init is None:
         raise CheckpointError(
@@ -69,7 +92,8 @@ def ensure_artifacts(recipe: Recipe, progress: Progress | None = None) -> dict[s
             )
         res = run_warmstart(recipe, recipe.policy.path, progress=cb)
         done["policy"] = (
-            f"warm-started {res.steps} steps → {res.path} (held-out accuracy {res.accuracy:.1%})"
+            f"warm-started {res.steps} steps → {Path(res.path).resolve()} "
+            f"(held-out accuracy {res.accuracy:.1%})"
         )
     if recipe.draft.mode != "none" and not draft_ready(recipe):
         from specrl.rl.tasks import task_from_config
@@ -101,21 +125,35 @@ def ensure_artifacts(recipe: Recipe, progress: Progress | None = None) -> dict[s
             cb = lambda phase, d, n, info: progress(f"init-draft {phase}", d, n, info)
         res = run_draft_init(opts, progress=cb)
         done["draft"] = (
-            f"initialised {res.out}: simulated τ {res.before['tau']} → "
+            f"initialised {Path(res.out).resolve()}: simulated τ {res.before['tau']} → "
             f"{res.after['tau']} at k={res.after['k']}"
         )
     return done
 
 
-def prepare_run(recipe: Recipe, layout: TrainLayout, progress: Progress | None = None) -> dict:
-    """Rank 0: the run directory with ``recipe.resolved.yaml``, and the policy and draft
-    checkpoints the recipe can create (:func:`ensure_artifacts`); every rank then meets at the
-    layout's barrier.  Returns what was created (empty on the other ranks)."""
+def prepare_run(
+    recipe: Recipe,
+    layout: TrainLayout,
+    progress: Progress | None = None,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+) -> tuple[dict, RunDirLock | None]:
+    """Rank 0: the run directory, locked for this run and checked not to hold another run
+    (:func:`specrl.train.rundir.open_run_dir`; ``resume``/``overwrite`` as the CLI flags), with
+    ``recipe.resolved.yaml``, and the policy and draft checkpoints the recipe can create
+    (:func:`ensure_artifacts`); every rank then meets at the layout's barrier.  Returns what was
+    created (empty on the other ranks) and the held run-directory lock (None on the others)."""
     created: dict[str, str] = {}
+    lock = None
     if layout.rank == 0:
         run_dir = Path(recipe.run.directory)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        dump_recipe(recipe, run_dir / "recipe.resolved.yaml")
-        created = ensure_artifacts(recipe, progress)
+        lock = open_run_dir(run_dir, resume=resume, overwrite=overwrite)
+        try:
+            dump_recipe(recipe, run_dir / "recipe.resolved.yaml")
+            created = ensure_artifacts(recipe, progress)
+        except BaseException:
+            lock.release()
+            raise
     layout.barrier()
-    return created
+    return created, lock

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 
 from specrl.core.attention import PackedLayout
+from specrl.core.fsio import check_unicode, text_lines
 from specrl.errors import CheckpointError, DataError
 from specrl.models.checkpoint import load_model, load_tokenizer
 from specrl.models.decoder import Transformer
@@ -69,6 +70,7 @@ class DraftInitOptions:
     seed: int = 0
     device: str = "cpu"
     chat_template: bool = False  # prompts through the target's chat template
+    overwrite: bool = False  # replace an existing `out` specrl did not write
 
 
 @dataclass
@@ -121,23 +123,25 @@ def corpus_counts(path: str, codec: TextCodec, vocab: int) -> torch.Tensor:
     if not p.is_file():
         raise DataError(f"corpus file '{p}' does not exist")
     counts = torch.zeros(vocab, dtype=torch.int64)
-    with p.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{p}:{lineno}: malformed JSON ({exc.msg})") from None
-            text = None
-            if isinstance(rec, dict):
-                text = rec.get("completion", rec.get("response", rec.get("text")))
-            if not isinstance(text, str):
-                raise DataError(
-                    f"{p}:{lineno}: needs a string 'completion', 'response' or 'text' field"
-                )
-            ids = codec.encode_completion(text, eos=False)
-            counts += torch.bincount(torch.tensor(ids, dtype=torch.int64), minlength=vocab)
+    for lineno, line in text_lines(p):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{p}:{lineno}: malformed JSON ({exc.msg})") from None
+        except RecursionError:
+            raise DataError(f"{p}:{lineno}: JSON nested too deeply") from None
+        text = None
+        if isinstance(rec, dict):
+            text = rec.get("completion", rec.get("response", rec.get("text")))
+        if not isinstance(text, str):
+            raise DataError(
+                f"{p}:{lineno}: needs a string 'completion', 'response' or 'text' field"
+            )
+        check_unicode(text, f"{p}:{lineno}")
+        ids = codec.encode_completion(text, eos=False)
+        counts += torch.bincount(torch.tensor(ids, dtype=torch.int64), minlength=vocab)
     return counts
 
 
@@ -259,6 +263,9 @@ def run_draft_init(opts: DraftInitOptions, *, progress=None) -> DraftInitResult:
         else None
     )
     cfg = None if imported is not None else draft_config(target, opts)
+    corpus = None  # read before the generation too: a bad corpus fails before the work
+    if imported is None and opts.corpus:
+        corpus = corpus_counts(opts.corpus, codec, target.config.vocab_size)
     train_probs = opts.task.sample(random.Random(opts.seed), opts.prompts)
     eval_probs = opts.task.sample(random.Random(opts.seed + 1), opts.eval_prompts)
     if progress:
@@ -269,8 +276,8 @@ def run_draft_init(opts: DraftInitOptions, *, progress=None) -> DraftInitResult:
         draft = imported
         vocab_source = f"imported from {opts.from_eagle3}"
     else:
-        if opts.corpus:
-            counts = corpus_counts(opts.corpus, codec, target.config.vocab_size)
+        if corpus is not None:
+            counts = corpus
             vocab_source = f"corpus {opts.corpus}"
         else:
             counts = sample_counts(pool, target.config.vocab_size)
@@ -310,7 +317,14 @@ def run_draft_init(opts: DraftInitOptions, *, progress=None) -> DraftInitResult:
         "options": {k: v for k, v in asdict(opts).items() if k != "task"},
     }
     extra = {"warmup.jsonl": "".join(json.dumps(r) + "\n" for r in log)} if log else None
-    save_draft(draft, opts.out, target=target, provenance=provenance, extra_files=extra)
+    save_draft(
+        draft,
+        opts.out,
+        target=target,
+        provenance=provenance,
+        extra_files=extra,
+        overwrite=opts.overwrite,
+    )
     n_params = sum(p.numel() for p in trainable)
     return DraftInitResult(
         opts.out,

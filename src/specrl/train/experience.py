@@ -8,11 +8,14 @@
   sampling drops groups whose rewards are all equal), the training samples, and the step's
   rollout counters (:data:`COUNTERS`) taken from the ``generate`` call's own statistics;
 - :func:`rollout_metrics`: the metrics record's rollout part from those counters summed over
-  the replicas.
+  the replicas;
+- :func:`wave_metrics`: the shape of this replica's rollout wave — the response-length
+  distribution (p50 / p90 / max) and the live batch per engine step, run-length encoded.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -123,3 +126,37 @@ def rollout_metrics(g: dict[str, float], stats: dict[str, Any], seconds: float) 
         "rollout_tokens": int(g["tokens"]),
         "rollout_tokens_per_s": g["tokens"] / max(seconds, 1e-9),
     }
+
+
+def _quantile(sorted_xs: list[int], q: float) -> int:
+    """The nearest-rank q-quantile of a sorted non-empty list."""
+    return sorted_xs[max(math.ceil(q * len(sorted_xs)), 1) - 1]
+
+
+def run_lengths(values: list[list[int]] | list[tuple[int, ...]]) -> list[list[int]]:
+    """``[[*value, repeats], …]``: consecutive equal entries of ``values`` folded together."""
+    out: list[list[int]] = []
+    for v in values:
+        if out and out[-1][:-1] == list(v):
+            out[-1][-1] += 1
+        else:
+            out.append([*v, 1])
+    return out
+
+
+def wave_metrics(results: Results | None) -> dict[str, Any]:
+    """This replica's rollout wave ({} off the rollout ranks): response lengths in tokens
+    (nearest-rank p50 / p90, max) and, where the engine reports it, ``live_batch``: per engine
+    step ``[live sequences, of them drafting, consecutive steps alike]``."""
+    if results is None or not len(results):
+        return {}
+    lengths = sorted(len(r.tokens) for r in results)
+    out: dict[str, Any] = {
+        "response_len_p50": _quantile(lengths, 0.5),
+        "response_len_p90": _quantile(lengths, 0.9),
+        "response_len_max": lengths[-1],
+    }
+    wave = results.stats.get("wave")
+    if wave is not None:
+        out["live_batch"] = run_lengths(wave)
+    return out

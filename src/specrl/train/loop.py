@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from specrl.config.schema import Recipe
+from specrl.core import failpoint
 from specrl.core.runtime import pick_device, seed_everything, set_determinism
 from specrl.errors import ConfigError, SpecrlError
 from specrl.models.checkpoint import load_config, load_model, load_tokenizer, save_model
@@ -64,7 +65,8 @@ from specrl.train.batch import Sample
 from specrl.train.evaluate import evaluate
 from specrl.train.layout import TrainLayout, check_model, check_split, setup_distributed
 from specrl.train.metrics import MetricsWriter
-from specrl.train.parallelize import parallelize_policy
+from specrl.train.parallelize import check_backend, parallelize_policy
+from specrl.train.rundir import RunDirLock
 from specrl.train.state_io import (
     optimizer_from_flat,
     optimizer_to_flat,
@@ -97,6 +99,7 @@ class UnitClock:
 def check_recipe(recipe: Recipe, source: str) -> None:
     """One-line errors for checkpoints and drafters a recipe cannot have (before the layout)."""
     check_artifacts(recipe, source)
+    check_backend(recipe)
     spec = recipe.rollout.speculation
     if spec and "eagle3" in spec.proposers and recipe.draft.mode == "none":
         raise ConfigError(
@@ -110,10 +113,13 @@ def build_trainer(
     *,
     source: str = "recipe",
     resume: bool = False,
+    overwrite: bool = False,
     progress: Progress | None = None,
 ) -> RLTrainer:
     """A ready trainer for ``recipe`` (module docstring: the order things are built in);
-    ``resume``: from the run directory's latest checkpoint.  Collective under torchrun."""
+    ``resume``: from the run directory's newest usable checkpoint; ``overwrite``: start over in a
+    run directory that holds a previous run (:mod:`specrl.train.rundir`).  Collective under
+    torchrun."""
     check_recipe(recipe, source)
     # the policy's shape is checked against the layout before the process group starts when
     # its checkpoint exists, else once the warm-start has made it
@@ -122,8 +128,24 @@ def build_trainer(
     layout = setup_distributed(recipe.parallel, device, known)
     check_split(recipe)
     set_determinism(recipe.run.deterministic, recipe.run.threads)
-    created = prepare_run(recipe, layout, progress)
-    resume_from = ckpt.latest(Path(recipe.run.directory)) if resume else None
+    created, lock = prepare_run(recipe, layout, progress, resume=resume, overwrite=overwrite)
+    try:
+        trainer = _build(recipe, layout, source, known, device, created, resume, progress)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    trainer.run_lock = lock
+    return trainer
+
+
+def _build(recipe, layout, source, known, device, created, resume, progress) -> RLTrainer:
+    """:func:`build_trainer` once the run directory is ready: the resume point, the models, the
+    trainer."""
+    warnings: list[str] = []
+    resume_from = None
+    if resume:
+        resume_from, warnings = ckpt.resume_point(Path(recipe.run.directory), layout.world)
     if resume and resume_from is None and layout.rank == 0 and progress:
         progress("resume", 0, 1, "no checkpoint yet: starting from step 0")
     policy_dir = resume_from / "policy" if resume_from else Path(recipe.policy.path)
@@ -158,6 +180,7 @@ def build_trainer(
         created=created,
         policy_dir=policy_dir,
     )
+    trainer.warnings = warnings
     if resume_from is not None:
         trainer.load(resume_from)
     return trainer
@@ -196,6 +219,8 @@ class RLTrainer:
         self.cotrain = draft is not None and recipe.draft.mode == "cotrain"
         self.max_seq_len = self._max_seq_len()
         self.start_step = 0
+        self.warnings: list[str] = []  # e.g. a newer checkpoint that was unusable on resume
+        self.run_lock: RunDirLock | None = None  # rank 0: held until the last checkpoint
         # the engine decodes copies of the plain models; then the parallelisms, in their order
         self.engine: Engine | None = None
         self.vllm = recipe.rollout.backend == "vllm"
@@ -346,7 +371,7 @@ class RLTrainer:
         t0 = time.perf_counter()
         counters: dict[str, float] = {}
         stats: dict[str, Any] = {}
-        samples = None
+        samples = results = None
         if self.engine is not None:
             requests = exp.rollout_requests(prompts, self.codec, r, self.recipe.run.seed, step)
             results = self.engine.generate(requests)
@@ -363,6 +388,7 @@ class RLTrainer:
         return {
             "step": step + 1,
             **exp.rollout_metrics(summed, stats, t_rollout),
+            **exp.wave_metrics(results),
             **upd,
             "time_rollout": t_rollout,
             "time_sync": t_sync,
@@ -472,12 +498,15 @@ class RLTrainer:
                         self.held_out,
                         self.recipe.rollout.max_tokens,
                     ).accuracy
+                done = step + 1
                 if writer is not None:
                     writer.write(rec)
-                done = step + 1
+                    failpoint.hit("after_metrics", done)
                 every = self.recipe.checkpoint.every
                 stop = self._stop_flag()
                 if stop or done == tr.steps or (every and done % every == 0):
+                    if writer is not None:
+                        writer.sync()  # the records this checkpoint counts are durable first
                     self.save(done)
                 if stop:
                     name = signal.Signals(stop).name
@@ -491,11 +520,21 @@ class RLTrainer:
                 signal.signal(s, h)
             if writer is not None:
                 writer.close()
-        if self.rank == 0 and tr.plots:
-            from specrl.train.plots import compare_siblings, plot_run
+        try:
+            if self.rank == 0 and tr.plots:
+                from specrl.train.plots import compare_siblings, plot_run, plot_waves
 
-            plot_run(self.run_dir)
-            compare_siblings(self.run_dir)  # co-trained vs frozen (vs none) when both exist
+                plot_run(self.run_dir)
+                plot_waves(self.run_dir)  # the live batch over a rollout wave, response lengths
+                compare_siblings(self.run_dir)  # co-trained vs frozen (vs none) when both exist
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release the run directory (another trainer may take it from here on)."""
+        if self.run_lock is not None:
+            self.run_lock.release()
+            self.run_lock = None
 
     def run(self, on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """All remaining steps; ``on_step(record)`` after each; returns the last record."""

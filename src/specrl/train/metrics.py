@@ -1,11 +1,15 @@
-"""Append-only metrics JSONL (one object per line, flushed per record)."""
+"""Append-only metrics JSONL (one object per line, flushed per record, ``fsync``-ed before each
+checkpoint so a checkpoint never counts records a power loss could take back)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
+
+from specrl.core.fsio import atomic_write_text
 
 
 def _clean(v: Any) -> Any:
@@ -25,14 +29,17 @@ class MetricsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if truncate_after_step is not None and self.path.exists():
             keep = [r for r in read_metrics(self.path) if r.get("step", -1) <= truncate_after_step]
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
-            tmp.replace(self.path)
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in keep))
         self._fh = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         self._fh.write(json.dumps(_clean(record), sort_keys=False) + "\n")
         self._fh.flush()
+
+    def sync(self) -> None:
+        """Make every record written so far durable (before a checkpoint that counts them)."""
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
 
     def close(self) -> None:
         self._fh.close()

@@ -9,7 +9,9 @@ parallelism touches), then calls :func:`parallelize_policy`, which applies, in t
    (:meth:`~specrl.models.decoder.Transformer.use_context_parallel`); minibatches become
    zigzag shards;
 2. **pipeline parallel** (pp > 1) — :class:`~specrl.train.pipeline_cotrain.PipelineStrategy`
-   splits the policy into stages and trains the draft on the last one; otherwise **data
+   splits the policy into stages and trains the draft on the last one (with
+   ``policy.backend: megatron``: :class:`~specrl.integrations.megatron.strategy.
+   MegatronStrategy`, Megatron-core chunks under Megatron's schedules); otherwise **data
    parallel** — :class:`~specrl.train.strategy.NativeStrategy`, DDP over ``dp_cp`` (the dp
    replicas × the cp ranks sharing each sequence).
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from specrl.config.schema import Recipe
 from specrl.core.pipeline import ScheduleKind
+from specrl.errors import LayoutError
 from specrl.models.decoder import Transformer
 from specrl.models.draft import Eagle3Draft
 from specrl.train.batch import microbatch_budget
@@ -38,6 +41,40 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {
     "1f1b": "1f1b",
     "interleaved-1f1b": "interleaved",
 }
+
+
+# recipe spelling → Megatron-core schedule (Megatron has no GPipe)
+MEGATRON_SCHEDULES = {"1f1b": "1f1b", "interleaved-1f1b": "interleaved"}
+
+
+def check_backend(recipe: Recipe) -> None:
+    """One-line errors for layouts ``policy.backend`` cannot run (before any process starts)."""
+    par = recipe.parallel
+    if recipe.policy.backend != "megatron":
+        return
+    if par.cp > 1:
+        raise LayoutError(
+            f"policy.backend=megatron with parallel.cp={par.cp}: Megatron-core's context "
+            "parallelism needs Transformer Engine's attention, which needs a GPU",
+            hint="set parallel.cp: 1, or policy.backend: native (specrl's ring attention)",
+        )
+    if par.pp < 2:
+        raise LayoutError(
+            f"policy.backend=megatron runs Megatron's pipeline schedules: parallel.pp must be "
+            f"≥ 2, got {par.pp}",
+            hint="set parallel.pp: 2 (or more), or policy.backend: native",
+        )
+    if par.pp_schedule not in MEGATRON_SCHEDULES:
+        raise LayoutError(
+            f"policy.backend=megatron has no {par.pp_schedule} schedule",
+            hint="use parallel.pp_schedule: 1f1b or interleaved-1f1b",
+        )
+    if recipe.draft.mode == "frozen":
+        raise LayoutError(
+            "policy.backend=megatron co-trains the draft or runs without one; draft.mode: frozen "
+            "is not measured on pipelines",
+            hint="set draft.mode: cotrain or none",
+        )
 
 
 def parallelize_policy(
@@ -70,6 +107,23 @@ def parallelize_policy(
     r = recipe.rollout
     per_replica = r.prompts_per_step // layout.dims.dp * r.n  # samples, before DAPO filtering
     per_minibatch = -(-per_replica // recipe.algo.minibatches)
+    if recipe.policy.backend == "megatron":
+        from specrl.integrations.megatron.strategy import MegatronStrategy
+
+        check_backend(recipe)
+        trained = draft if cotrain else None
+        return MegatronStrategy(
+            policy,
+            layout,
+            objective,
+            schedule=MEGATRON_SCHEDULES[par.pp_schedule],  # type: ignore[arg-type]
+            num_microbatches=par.microbatches,
+            micro_batch_size=-(-per_minibatch // par.microbatches),
+            seq_length=max_seq_len,
+            draft=trained,
+            tap_layers=trained.config.tap_layers if trained is not None else (),
+            pad_id=pad_id,
+        )
     return PipelineStrategy(
         policy,
         layout,

@@ -4,16 +4,19 @@
 - :func:`compare_runs`: the same curves for several runs on shared axes (e.g. co-trained vs
   frozen vs no draft), plus the draft's simulated τ and rollout time per step;
 - :func:`compare_siblings`: that comparison for a run and its A/B siblings (run directories
-  next to it that started from the same policy on the same task with another ``draft.mode``).
+  next to it that started from the same policy on the same task with another ``draft.mode``);
+- :func:`plot_waves`: the rollout waves — the live batch over the engine steps of a few RL
+  steps' rollouts (where they speculated marked), and the response-length p50 / p90 / max per
+  RL step.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import yaml
 
+from specrl.core.fsio import atomic_save
 from specrl.train.metrics import read_metrics
 
 
@@ -67,8 +70,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.suptitle(run_dir.name)
     fig.tight_layout()
     path = Path(out) if out else run_dir / "curves.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:  # through a temporary file: a reader (or a kill) never sees half a PNG
+        atomic_save(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), suffix=".png")
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -95,8 +100,10 @@ def compare_runs(runs: dict[str, str | Path], out: str | Path) -> Path:
     fig.tight_layout()
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        atomic_save(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), suffix=".png")
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -136,8 +143,54 @@ def compare_siblings(run_dir: str | Path) -> Path | None:
             runs[f"{other_mode} ({d.name})"] = d
     if len(runs) < 2:
         return None
-    out = run_dir / "compare.png"
-    tmp = run_dir / ".compare.png.tmp.png"
-    compare_runs(runs, tmp)
-    os.replace(tmp, out)
-    return out
+    return compare_runs(runs, run_dir / "compare.png")
+
+
+def _unfold(runs: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Per engine step (live batch, drafting) from ``live_batch``'s run-length encoding."""
+    live, drafting = [], []
+    for size, spec, repeats in runs:
+        live += [size] * repeats
+        drafting += [spec] * repeats
+    return live, drafting
+
+
+def plot_waves(run_dir: str | Path, out: str | Path | None = None, waves: int = 4) -> Path | None:
+    """``rollout_wave.png``: left, the live batch per engine step of ``waves`` RL steps'
+    rollouts spread over the run (solid: sequences decoding, dots: those that carried drafts);
+    right, response length p50 / p90 / max per RL step.  None when the metrics have no waves
+    (an engine that does not report them)."""
+    recs = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if r.get("live_batch")]
+    if not recs:
+        return None
+    plt = _plt()
+    run_dir = Path(run_dir)
+    picks = sorted({round(i * (len(recs) - 1) / max(waves - 1, 1)) for i in range(waves)})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for c, i in enumerate(picks):
+        live, drafting = _unfold(recs[i]["live_batch"])
+        steps = list(range(len(live)))
+        ax1.plot(steps, live, color=f"C{c}", label=f"RL step {recs[i]['step']}: live batch")
+        spec = [(x, d) for x, d in zip(steps, drafting, strict=True) if d]
+        if spec:
+            ax1.plot(*zip(*spec, strict=True), ".", color=f"C{c}", markersize=3)
+    ax1.set_xlabel("engine step within the rollout (dots: sequences drafting)")
+    ax1.set_ylabel("sequences")
+    ax1.legend(fontsize=8)
+    ax1.grid(alpha=0.3)
+    styles = (("response_len_max", ":"), ("response_len_p90", "--"), ("response_len_p50", "-"))
+    for key, style in styles:
+        x, y = _series(recs, key)
+        ax2.plot(x, y, style, color="C0", label=key.removeprefix("response_len_"))
+    ax2.set_xlabel("RL step")
+    ax2.set_ylabel("response length (tokens)")
+    ax2.legend()
+    ax2.grid(alpha=0.3)
+    fig.suptitle(f"{run_dir.name}: rollout waves")
+    fig.tight_layout()
+    path = Path(out) if out else run_dir / "rollout_wave.png"
+    try:
+        atomic_save(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), suffix=".png")
+    finally:
+        plt.close(fig)
+    return path

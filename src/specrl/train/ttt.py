@@ -1,4 +1,4 @@
-"""Training-time-test (TTT) targets and loss for the EAGLE-3 draft (REFERENCE §3).
+"""Training-time-test (TTT) targets and loss for the EAGLE-3 draft (docs/draft.md).
 
 Alignment, for a packed sequence x_0..x_{S−1} with taps f_t and target logits z_t (z_t predicts
 x_{t+1}): the draft at index t, step k, reads token x_{t+k+1} and (k = 0) feature f_t, sits at
@@ -80,9 +80,10 @@ class GatheredShift:
 class HaloShift:
     """``shift(x, n)`` for :func:`ttt_loss` under context parallelism by a K-row halo exchange.
 
-    Rank r holds chunk r (front) and chunk 2cp−1−r (back) of every sequence (zigzag, REFERENCE
-    §4).  A row at offset w of a chunk of c rows shifted by n ≤ c reads offset w + n of the same
-    chunk, or — when w + n ≥ c — offset w + n − c < n of the chunk's successor in global order:
+    Rank r holds chunk r (front) and chunk 2cp−1−r (back) of every sequence (zigzag,
+    :mod:`specrl.core.attention.zigzag`).  A row at offset w of a chunk of c rows shifted by
+    n ≤ c reads offset w + n of the same chunk, or — when w + n ≥ c — offset w + n − c < n of the
+    chunk's successor in global order:
 
     - front chunk r → chunk r+1: rank r+1's front chunk, or for r = cp−1 this rank's own back
       chunk (local: the back chunk follows the front one in the local layout);

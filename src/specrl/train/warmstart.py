@@ -83,9 +83,15 @@ def lr_at(step: int, cfg: WarmstartConfig) -> float:
 
 
 def run_warmstart(
-    recipe: Recipe, out_path: str | Path, *, task: Task | None = None, progress=None
+    recipe: Recipe,
+    out_path: str | Path,
+    *,
+    task: Task | None = None,
+    progress=None,
+    overwrite: bool = False,
 ) -> WarmstartResult:
-    """Train the preset on the recipe's task and write the checkpoint to ``out_path``."""
+    """Train the preset on the recipe's task and write the checkpoint to ``out_path`` (an
+    existing directory specrl did not write is refused unless ``overwrite``)."""
     cfg = recipe.policy.warmstart or WarmstartConfig()
     task = task or task_from_recipe(recipe)
     set_determinism(recipe.run.deterministic, recipe.run.threads)
@@ -152,6 +158,7 @@ def run_warmstart(
         out_path,
         tokenizer=tok,
         extra_files={"specrl_provenance.json": json.dumps(provenance, indent=2) + "\n"},
+        overwrite=overwrite,
     )
     return WarmstartResult(
         str(out_path), done, loss_val, accuracy, len(held_out), seconds, config.num_params

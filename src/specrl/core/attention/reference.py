@@ -3,7 +3,7 @@
 Materializes the full [H, T, T(+K·T)] score matrix, so it is for tests and tiny inputs only.
 Works in any dtype (float64 for exactness tests) and returns the log-sum-exp of every row.
 
-Mask (REFERENCE §3): a query at packed index i attends to
+Mask (the draft's TTT attention, docs/draft.md): a query at packed index i attends to
 - main keys p of the same sequence with offset(p) ≤ offset(i) (causal; optionally within a
   sliding window of ``window`` positions), and
 - branch keys ``branch_k[j, i]`` for every branch step j (its own speculative chain: the same index

@@ -1,4 +1,4 @@
-"""Packed zigzag ring attention with the draft's branch attention merged (REFERENCE §4).
+"""Packed zigzag ring attention with the draft's branch attention merged (docs/parallelism.md).
 
 Each of the ``cp`` ranks holds a zigzag shard (see :mod:`specrl.core.attention.zigzag`): for every
 packed sequence, chunk r then chunk 2cp−1−r, c tokens each.  The main K/V blocks travel round the

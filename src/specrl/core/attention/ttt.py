@@ -2,7 +2,7 @@
 
 The EAGLE-3 draft has one attention layer unrolled K TTT steps.  Step k's queries attend to the
 *main* K/V — the step-0 keys and values, the same for every step — causally within their packed
-sequence, plus their own branch keys K^1_i..K^k_i (REFERENCE §3).  A :class:`TTTSession` holds the
+sequence, plus their own branch keys K^1_i..K^k_i (docs/draft.md).  A :class:`TTTSession` holds the
 main K/V once; each :meth:`TTTSession.attend` is one step::
 
     session = ttt_session(k0, v0, plan.local, cp=CPContext.from_group(group), mode="ring")
@@ -13,7 +13,7 @@ main K/V once; each :meth:`TTTSession.attend` is one step::
 Gradients flow to q, the main K/V (summed over all steps) and the branch K/V.  With context
 parallelism the tensors are the rank's zigzag shard and ``layout`` is ``ZigzagPlan.local``.
 
-Communication modes for the main K/V (REFERENCE §4, "TTT communication choices"):
+Communication modes for the main K/V (docs/parallelism.md):
 
 - ``"ring"``: every step runs the ring (:class:`~specrl.core.attention.ring.RingAttention`):
   O(S/cp) memory, k× the K/V traffic.
@@ -30,7 +30,7 @@ branch merge with linear memory (no S×S score matrix), which is also the single
 
 :func:`ring_attention` is the same ring without a branch, for the target model's own layers;
 :func:`allgather_attention` is the baseline of prior frameworks (full K/V all-gathered on every
-rank for every call) kept for benchmarks.
+rank for every call), the baseline ``benchmarks/cp_attention.py`` measures against.
 """
 
 from __future__ import annotations

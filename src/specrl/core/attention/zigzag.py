@@ -1,4 +1,4 @@
-"""Zigzag sharding of packed batches for context parallelism (REFERENCE §4).
+"""Zigzag sharding of packed batches for context parallelism (docs/parallelism.md).
 
 With ``cp`` ranks, every packed sequence b of length L_b is padded at its end to
 P_b = 2·cp·c_b tokens (c_b = ⌈L_b / 2cp⌉) and cut into 2·cp chunks of c_b tokens; rank r holds
@@ -115,7 +115,7 @@ def shift_within_sequences(
 ) -> torch.Tensor:
     """``y[t] = x[t + k]`` when t + k lies in the same sequence, else ``fill``.
 
-    The TTT shift of step k (REFERENCE §3): ids, teacher rows and loss masks of index t come from
+    The TTT shift of step k (docs/draft.md): ids, teacher rows and loss masks of index t come from
     index t + k of the *same* sequence; the last k tokens of every sequence get ``fill`` (loss mask
     0).  Apply it to global tensors before :meth:`ZigzagPlan.shard`.
     """

@@ -1,5 +1,5 @@
 """TapChannel: target-layer taps travel from their pipeline stage to the draft's stage beside the
-pipeline schedule, never through it (REFERENCE §5).
+pipeline schedule, never through it (docs/parallelism.md).
 
 Declared once from the tap layer ids and the stage layout — which layers each pipeline stage owns
 and which pipeline rank runs it.  Under interleaved schedules a rank runs several stages (model

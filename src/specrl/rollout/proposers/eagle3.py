@@ -23,11 +23,18 @@ positions (fed its own hidden state, not the target's) are unsure most often.  D
 from a sharper q keeps the chain on the paths the target most likely takes: at s = 0.25
 instead of 1 the toy drafts accept 0.94 / 0.77 / 0.72 / 0.59 → 0.95 / 0.84 / 0.80 / 0.69 at
 chain positions 1–4 (16-layer target) and 0.77 / 0.47 / 0.38 / 0.30 → 0.86 / 0.59 / 0.52 /
-0.40 (4-layer; ``benchmarks/draft_temperature.py``).  A draft calibrated on a high-entropy target
+0.40 (4-layer; docs/benchmarks.md, "Decisions").  A draft calibrated on a high-entropy target
 would lose by it (q = p accepts everything; a sharp q only p's likely tokens), so by default
 (``temperature_scale="auto"``) s is learned: an ε-greedy bandit over :data:`SCALES` whose
 value is each scale's running mean of accepted / drafted tokens, one pick per drafting round
 (every sampled sequence of the round drafts with it), updated as verifications come back.
+
+**Drafting ahead** (decoupled drafting, :mod:`specrl.rollout.decoupled`): each round keeps its
+chains' ends (the last draft token and the pre-norm output that drew it); while the target
+verifies, :meth:`propose_ahead` continues a chain past its k tokens as if every draft were
+accepted — the first token is the guess of the target's bonus token, the rest the next round's
+draft — and keeps that chain's end in turn, so a run of right guesses drafts from one growing
+chain until a miss sends the next round back to the target's taps.
 
 With ``ProposerContext.compile`` a round runs as compiled passes (:meth:`_propose_compiled`):
 one for the newest main entries and d_1, one per further chain position, each picking its
@@ -50,9 +57,16 @@ from specrl.errors import CheckpointError, ConfigError
 from specrl.models.decoder import CacheBatch
 from specrl.models.draft import Eagle3Draft
 from specrl.models.draft_io import check_compatible, load_draft
+from specrl.rollout.bandit import MEMORY, EpsilonGreedy, RunningMean
 from specrl.rollout.compiled import Compiled
-from specrl.rollout.gating import ARM_MEMORY, EpsilonGreedy, RunningMean
-from specrl.rollout.proposers import Draft, ProposerContext, SeqState, register_proposer
+from specrl.rollout.proposers import (
+    Draft,
+    ProposerBase,
+    ProposerContext,
+    SeqState,
+    register_proposer,
+)
+from specrl.rollout.weights import apply_update, check_vocab_map, plan_update
 
 
 class _StepTaps:
@@ -81,6 +95,9 @@ class _State:
     # its sampled draft awaiting verification: tokens drafted, the temperature scale used
     drafted: int = 0
     scale: float = 1.0
+    # the end of its last chain, for drafting ahead: (pre-norm output that drew the last token,
+    # that token, the chain's length, the sequence's kv_len when it was drawn)
+    chain_end: tuple[torch.Tensor, int, int, int] | None = None
 
 
 # draft temperature scales the "auto" bandit chooses from (1: the draft's own distribution)
@@ -90,10 +107,10 @@ SCALES = (1.0, 0.5, 0.25, 0.1)
 class TemperatureScale:
     """The draft temperature scale s of each drafting round: fixed, or learned ("auto").
 
-    Learned: an ε-greedy bandit (:class:`specrl.rollout.gating.EpsilonGreedy`: each scale first
+    Learned: an ε-greedy bandit (:class:`specrl.rollout.bandit.EpsilonGreedy`: each scale first
     gets ``min_samples`` rounds, then exploration whose expected cost is bounded) over
     :data:`SCALES`, valued by each scale's running mean of accepted / drafted tokens over the
-    sampled drafts verified under it (an EMA after :data:`ARM_MEMORY` drafts: the policy and
+    sampled drafts verified under it (an EMA after :data:`MEMORY` drafts: the policy and
     the draft drift).  The chain length k is chosen by the engine independently of s, so the
     scales' means compare like with like.
     """
@@ -109,7 +126,7 @@ class TemperatureScale:
                 hint="temperature_scale: auto (learned), 1 (the draft's own q), or e.g. 0.25",
             )
         self.bandit = EpsilonGreedy(SCALES, epsilon, seed)  # type: ignore[arg-type]
-        self.acceptance = {s: RunningMean(1.0 / ARM_MEMORY) for s in SCALES}
+        self.acceptance = {s: RunningMean(1.0 / MEMORY) for s in SCALES}
         self.chosen = {s: 0 for s in SCALES}  # learned: rounds that drafted sampled tokens
 
     def pick(self) -> float:
@@ -130,6 +147,19 @@ class TemperatureScale:
         if mean is not None:
             mean.add(accepted / drafted)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "bandit": self.bandit.state_dict(),
+            "scales": [[s, m.state_dict(), self.chosen[s]] for s, m in self.acceptance.items()],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.bandit.load_state_dict(state["bandit"])
+        for scale, mean, chosen in state["scales"]:
+            if float(scale) in self.acceptance:
+                self.acceptance[float(scale)].load_state_dict(mean)
+                self.chosen[float(scale)] = int(chosen)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "mode": "auto" if self.fixed is None else "fixed",
@@ -140,9 +170,8 @@ class TemperatureScale:
         }
 
 
-class Eagle3Proposer:
+class Eagle3Proposer(ProposerBase):
     name = "eagle3"
-    state_attrs = ("temperature_scale",)  # persisted by RolloutEngine.state_dict
 
     def __init__(
         self,
@@ -180,6 +209,12 @@ class Eagle3Proposer:
         """The draft temperature scale: mode, and per scale its rounds, drafts, acceptance."""
         return {"temperature_scale": self.temperature_scale.to_dict()}
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"temperature_scale": self.temperature_scale.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.temperature_scale.load_state_dict(state["temperature_scale"])
+
     # ------------------------------------------------------------------ lifecycle
     def reset(self, seq: SeqState) -> None:
         self._state[seq.seq_id] = _State()
@@ -190,25 +225,27 @@ class Eagle3Proposer:
     def move(self, moves: list[tuple[SeqState, int]]) -> None:
         """The engine moves sequences to other slots: copy their draft-cache main entries."""
         states = [self._state[s.seq_id] for s, _ in moves if s.seq_id in self._state]
-        rows = max((st.main_len for st in states), default=0)
+        # main entries, and a chain that drafting ahead continues (rows kv_len … + k − 2)
+        rows = max(
+            (
+                max(st.main_len, st.chain_end[3] + st.chain_end[2] - 1 if st.chain_end else 0)
+                for st in states
+            ),
+            default=0,
+        )
         self.cache.copy_slots([s.slot for s, _ in moves], [slot for _, slot in moves], rows)
 
-    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+    def check_weights(self, state: Mapping[str, torch.Tensor]) -> list:
+        """The validated copies of a draft update (:mod:`specrl.rollout.weights`: names, shapes,
+        dtypes, finite values, an in-range ``d2t``/``t2d``); the embedding is the target's."""
         own = {k: v for k, v in self.draft.state_dict().items() if not k.startswith("embed")}
         given = {k: v for k, v in state.items() if not k.startswith("embed")}
-        if set(own) != set(given):
-            missing = sorted(set(own) - set(given))
-            raise CheckpointError(
-                f"draft weights do not match the eagle3 proposer's draft (missing {missing[:3]})"
-            )
-        with torch.no_grad():
-            for k, v in own.items():
-                if tuple(given[k].shape) != tuple(v.shape):
-                    raise CheckpointError(
-                        f"draft weight '{k}' has shape "
-                        f"{tuple(given[k].shape)}, expected {tuple(v.shape)}"
-                    )
-                v.copy_(given[k])
+        copies = plan_update("draft", given, own)
+        check_vocab_map("draft", given["d2t"], given["t2d"], self.vocab)
+        return copies
+
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        apply_update(self.check_weights(state))  # nothing is copied unless all of it is valid
         self._to_target = self.draft.draft_to_target
 
     # ------------------------------------------------------------------ main entries
@@ -323,6 +360,7 @@ class Eagle3Proposer:
         h = torch.stack([self._state[s.seq_id].h_last for s in seqs])  # [B, H]
         toks: list[torch.Tensor] = []  # per chain step j: [n_j] target ids of the first n_j rows
         qs: list[torch.Tensor | None] = []
+        ends: list[torch.Tensor | None] = [None] * len(seqs)  # h that drew each chain's last
         n = len(seqs)
         logits = self.draft.logits(h, fused=True)
         for step in range(steps[0]):
@@ -333,6 +371,9 @@ class Eagle3Proposer:
             )
             toks.append(tok)
             qs.append(q)
+            for r in range(n):
+                if steps[r] == step + 1:
+                    ends[r] = h[r]
             n = sum(1 for k in steps if k > step + 1)
             if n == 0:
                 break
@@ -354,7 +395,95 @@ class Eagle3Proposer:
             rows = [q[r : r + 1] for q in qs[: len(out[b].tokens)] if q is not None]
             if rows and batch[b].params.temperature > 0:
                 out[b].probs = rows[0] if len(rows) == 1 else torch.cat(rows)
+            end = ends[r]
+            self._state[seqs[r].seq_id].chain_end = (
+                None
+                if end is None or not out[b].tokens
+                else (end, out[b].tokens[-1], len(out[b].tokens), seqs[r].kv_len)
+            )
         return self._drafted(batch, out, scale)
+
+    @torch.no_grad()
+    def propose_ahead(
+        self, batch: list[SeqState], drafts: list[Draft], ks: list[int]
+    ) -> list[Draft]:
+        """Continue each sequence's last chain (``drafts[b]``, the round just drafted and now
+        being verified) by ``ks[b]`` tokens as if it were all accepted (module docstring); a
+        sequence whose last round was not this chain (or drew nothing) gets an empty draft.
+        ``batch`` may be shadow sequences (their ``generator`` is the one sampled with; slot,
+        ``kv_len`` and ``seq_id`` are the real sequence's)."""
+        out = [Draft([]) for _ in batch]
+        live = []
+        for b, (s, d, k) in enumerate(zip(batch, drafts, ks, strict=True)):
+            st = self._state.get(s.seq_id)
+            end = st.chain_end if st is not None else None
+            if (
+                k > 0
+                and end is not None
+                and d.tokens
+                and (end[1], end[2], end[3]) == (d.tokens[-1], len(d.tokens), s.kv_len)
+            ):
+                live.append(b)
+        if not live:
+            return out
+        live.sort(key=lambda b: -min(ks[b], self.max_k + 1))
+        seqs = [batch[b] for b in live]
+        steps = [min(ks[b], self.max_k + 1) for b in live]
+        ends = [self._state[s.seq_id].chain_end for s in seqs]
+        # the row each chain's last token goes to: kv_len + len(chain) − 1
+        base = [e[3] + e[2] - 1 for e in ends]  # type: ignore[index]
+        greedy = [s.params.temperature <= 0 for s in seqs]
+        scales = {self._state[s.seq_id].scale for s in seqs}
+        temps = self._temperatures(seqs, greedy, scales.pop() if len(scales) == 1 else 1.0)
+        slots, t_base, t_tok, t_greedy = _int_tensors(
+            [s.slot for s in seqs], base, [e[1] for e in ends], greedy,  # type: ignore[index]
+            device=self.device,
+        )  # fmt: skip
+        t_greedy = t_greedy.bool()
+        h = torch.stack([e[0] for e in ends])  # type: ignore[index]
+        tok = t_tok  # chain steps take target ids (the draft embeds with the target's table)
+        toks: list[torch.Tensor] = []
+        qs: list[torch.Tensor | None] = []
+        chain_ends: list[torch.Tensor | None] = [None] * len(seqs)
+        n = len(seqs)
+        for step in range(steps[0]):
+            n = sum(1 for k in steps if k > step)
+            h, tok = h[:n], tok[:n]
+            rows = base[:n]
+            cache = CacheBatch(
+                self.cache,
+                slots[:n],
+                t_base[:n] + step,
+                max(rows) + step + 1,
+                slots_are_prefix=all(s.slot == i for i, s in enumerate(seqs[:n])),
+                full_rows=all(x == rows[0] for x in rows),
+            )
+            h, logits = self._chain_step(h, tok, self._ones(n), cache, fused=True)
+            u = self._uniforms(seqs[:n], greedy[:n], steps[:n], step)
+            tok, q = self._draw(
+                logits, temps[:n], u, t_greedy[:n], not all(greedy[:n]), any(greedy[:n])
+            )
+            toks.append(tok)
+            qs.append(q)
+            for r in range(n):
+                if steps[r] == step + 1:
+                    chain_ends[r] = h[r]
+        host = [t.tolist() for t in toks]
+        for r, b in enumerate(live):
+            d = out[b]
+            d.tokens = [host[j][r] for j in range(steps[r])]
+            rows_q = [q[r : r + 1] for q in qs[: steps[r]] if q is not None]
+            if rows_q and not greedy[r]:
+                d.probs = rows_q[0] if len(rows_q) == 1 else torch.cat(rows_q)
+            # the guess is the bonus token: the next round's chain is d.tokens[1:], at the
+            # sequence's kv_len once this round's drafts and the bonus are committed
+            e, kept = chain_ends[r], len(d.tokens) - 1
+            self._state[seqs[r].seq_id].chain_end = (
+                None
+                if e is None or kept < 1
+                else (e, d.tokens[-1], kept, ends[r][3] + ends[r][2] + 1)  # type: ignore[index]
+            )
+        return out
 
     def _drafted(self, batch: list[SeqState], drafts: list[Draft], scale: float) -> list[Draft]:
         """Note each sampled draft's length and scale: :meth:`observe` values the scale by the
@@ -451,6 +580,8 @@ class Eagle3Proposer:
             toks.append(tok)
             qs.append(q)
         host = torch.stack(toks, 1).tolist()  # [B, K]: one transfer for the round
+        for s in batch:  # compiled rounds keep no chain end: they are not drafted ahead
+            self._state[s.seq_id].chain_end = None
         probs = None if qs[0] is None else torch.stack(qs, 1)  # [B, K, V]
         for r, d in enumerate(out):
             d.tokens = host[r][: steps[r]]
