@@ -355,3 +355,22 @@ def test_greedy_auto_mode_matches_plain_and_uses_both_modes(slots):
     assert used == {"coupled", "decoupled"}
     with pytest.raises(ConfigError, match="decoupled"):
         make_engine(model, spec=SpecConfig(proposers=["ngram"], decoupled="sometimes"))
+
+
+def test_ceiling_pair_accepts_every_draft(tmp_path):
+    """benchmarks/studies/ceiling_pair.py: both models put all-zero logits on every token, so
+    greedy drafts are always accepted and every decoupled guess holds."""
+    from benchmarks.studies.ceiling_pair import make_pair as ceiling_pair
+    from specrl.models.checkpoint import load_model
+
+    target_dir, draft_dir = ceiling_pair("toy-tiny", tmp_path / "pair")
+    model = load_model(target_dir)
+    spec = SpecConfig(
+        proposers=("eagle3",), max_k=3, gate=False, decoupled=True,
+        proposer_options={"eagle3": {"path": str(draft_dir)}},
+    )  # fmt: skip
+    engine = make_engine(model, max_batch_size=2, spec=spec)
+    out = engine.generate([Request([1, 5, 6], greedy(20)), Request([1, 7], greedy(20))])
+    assert all(r.tokens == [0] * 20 for r in out)
+    s = engine.stats()
+    assert s["spec"]["acceptance_rate"] == 1.0 and s["decoupled"]["hits"] > 0
