@@ -168,6 +168,9 @@ def test_replayed_acceptance_matches_the_profile() -> None:
         assert abs(hit / n - want) <= 4 * sd, (j, hit / n, want, n)
     # every token is still a sample of the uniform target: no id is drafted outside [0, V)
     assert all(0 <= t < cfg.vocab_size for r in res for t in r.tokens)
+    greedy = RolloutEngine(target, max_batch_size=2, spec=spec, seed=0, eos_token_ids=())
+    with pytest.raises(ValueError, match="requests need T > 0"):
+        greedy.generate([Request(prompts[0], SamplingParams(8, 0.0))])
 
 
 def test_rl_phase_clocks_synchronise_first(monkeypatch) -> None:

@@ -75,6 +75,34 @@ def test_aborting_requests_frees_their_slots_and_leaves_the_others_exact(propose
     assert [r.tokens for r in again] == expected
 
 
+def test_abort_after_a_step_that_failed_before_compacting_restores_the_slot_order():
+    """A step that finished every running sample, then raised before compacting, leaves freed
+    slots out of order; the server's recovery (abort the step's requests) puts them back, so
+    the next requests hold slots 0..n−1 again (decode reads the cache as a slice, not a gather)
+    and decode exactly."""
+    target, _ = make_pair()
+    engine = make_engine(target, max_batch_size=3)
+    ids = engine.add_requests([Request(p, greedy(4)) for p in PROMPTS[:3]])
+
+    def boom() -> None:
+        raise RuntimeError("injected failure before compaction")
+
+    engine._compact = boom  # the instance attribute shadows the method
+    with pytest.raises(RuntimeError, match="before compaction"):
+        while engine.has_unfinished():
+            engine.step()
+    del engine._compact
+    assert engine.num_running == 0 and engine.num_waiting == 0  # all three finished in it
+    engine.abort(ids)
+    later = engine.add_requests([Request(p, greedy(8)) for p in PROMPTS[3:5]])
+    results = engine.step()
+    assert sorted(s.slot for s in engine._running) == [0, 1]
+    while engine.has_unfinished():
+        results += engine.step()
+    tokens = {r.request_id: r.tokens for r in results}
+    assert [tokens[i] for i in later] == generate(target, PROMPTS[3:5], 8)
+
+
 # ----------------------------------------------------------------------- the server
 V_DRAFT = 24
 TOKEN = "abuse-token"
