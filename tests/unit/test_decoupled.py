@@ -263,6 +263,19 @@ def test_worker_errors_death_and_hangs_fail_in_bounded_time():
     assert time.monotonic() - t0 < 5
 
 
+def test_a_collected_worker_stops_its_thread():
+    import gc
+
+    w = DraftWorker("gc", timeout=5)
+    assert w.wait(w.submit(lambda: 7)) == 7
+    thread = w._thread
+    assert thread is not None and thread.is_alive()
+    del w
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
 def _raise(exc: BaseException):
     raise exc
 
@@ -361,6 +374,7 @@ def test_ceiling_pair_accepts_every_draft(tmp_path):
     """benchmarks/studies/ceiling_pair.py: both models put all-zero logits on every token, so
     greedy drafts are always accepted and every decoupled guess holds."""
     from benchmarks.studies.ceiling_pair import make_pair as ceiling_pair
+
     from specrl.models.checkpoint import load_model
 
     target_dir, draft_dir = ceiling_pair("toy-tiny", tmp_path / "pair")
