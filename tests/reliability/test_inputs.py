@@ -53,7 +53,7 @@ def test_non_finite_weights_are_refused_at_load(target, tmp_path, cli, value):
     weights[name] = weights[name].clone()
     weights[name].view(-1)[7] = value
     save_file(weights, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=f"tensor '{name}' holds NaN or infinite values"):
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' holds 1 non-finite values"):
         load_model(bad)
     q = tmp_path / "q.jsonl"
     q.write_text('{"prompt": "1+1="}\n')

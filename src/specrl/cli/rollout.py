@@ -103,7 +103,8 @@ def read_prompts(path: Path) -> list[tuple[int, dict[str, Any]]]:
     from specrl.errors import DataError
 
     if not path.is_file():
-        raise DataError(f"prompt file '{path}' does not exist")
+        what = "is not a regular file" if path.exists() else "does not exist"
+        raise DataError(f"prompt file '{path}' {what}")
     records = []
     for lineno, line in text_lines(path):
         if not line.strip():

@@ -102,14 +102,14 @@ def read_safetensors(
     or infinite values, raise CheckpointError naming the file (and the tensor)."""
     out: dict[str, torch.Tensor] = {}
     for f in files:
-        bad: list[str] = []
+        bad: list[tuple[str, int]] = []
         size = f.stat().st_size
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for name in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     t = fh.get_tensor(name)
                     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                        bad.append(name)
+                        bad.append((name, int((~torch.isfinite(t)).sum())))
                     out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         except Exception as exc:  # safetensors raises its own error types and OSError
             raise CheckpointError(
@@ -119,7 +119,7 @@ def read_safetensors(
             ) from None
         if bad:
             raise CheckpointError(
-                f"'{f}': tensor '{bad[0]}' holds NaN or infinite values"
+                f"'{f}': tensor '{bad[0][0]}' holds {bad[0][1]} non-finite values (NaN or inf)"
                 + (f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""),
                 hint="the checkpoint is corrupt or its training diverged; use an earlier one",
             )
