@@ -253,12 +253,35 @@ def outcome(rc: int | None, path: Path, partial: Path, limit: float, text: str) 
     )
 
 
+# the open speed targets: (check, figure, comparison, bound, what it means)
+TARGETS = (
+    ("rollout", "b1_speedup", ">=", 2.0, "rollout best-of-N / plain at batch 1"),
+    ("rollout", "b64_speedup", ">=", 0.95, "rollout best-of-N / plain at batch 64 (gated)"),
+    ("rl_step", "projected_step_cotrain_over_none", "<=", 0.75,
+     "RL step cotrain / none (projected with the rollout speedup)"),
+    ("rl_step", "draft_over_policy_update", "<=", 0.10, "draft update / policy update"),
+)  # fmt: skip
+
+
+def targets(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each open target against the figure that measures it (None: not measured in this run)."""
+    out = []
+    for check, figure, op, bound, what in TARGETS:
+        value = results.get(check, {}).get("figures", {}).get(figure)
+        met = None if value is None else value >= bound if op == ">=" else value <= bound
+        out.append({"target": what, "figure": f"{check}.{figure}", "need": f"{op} {bound}",
+                    "value": value, "met": met})  # fmt: skip
+    return out
+
+
 def summarize(out: Path, meta: dict[str, Any], results: dict[str, dict[str, Any]]) -> None:
     """summary.json and summary.md from the results so far (rewritten after every check)."""
     checks = []
     for name, res in results.items():
         checks.append({"name": name, **res})
-    write_atomic(out / "summary.json", json.dumps({"meta": meta, "checks": checks}, indent=2))
+    goals = targets(results)
+    payload = {"meta": meta, "checks": checks, "targets": goals}
+    write_atomic(out / "summary.json", json.dumps(payload, indent=2))
     rows = [[c["name"], c["status"], c["reason"], c.get("seconds"), c.get("limit_s")]
             for c in checks]  # fmt: skip
     lines = [
@@ -270,6 +293,24 @@ def summarize(out: Path, meta: dict[str, Any], results: dict[str, dict[str, Any]
         f"- specrl import: {meta['setup'].get('specrl')}",
         "",
         markdown_table(table("checks", ["check", "status", "reason", "seconds", "limit s"], rows)),
+        "",
+        markdown_table(
+            table(
+                "open targets"
+                + (" (dry run: tiny shapes, the figures say nothing)" if meta["dry_run"] else ""),
+                ["target", "figure", "need", "value", "met"],
+                [
+                    [
+                        g["target"],
+                        g["figure"],
+                        g["need"],
+                        g["value"],
+                        "not measured" if g["met"] is None else "met" if g["met"] else "not met",
+                    ]
+                    for g in goals
+                ],
+            )
+        ),
         "",
     ]
     for name, res in results.items():

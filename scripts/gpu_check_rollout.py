@@ -82,6 +82,8 @@ class ReplayProposer(Eagle3Proposer):
         return super().propose(batch, ks)
 
     def _draw(self, logits, temps, u, greedy, sampled, any_greedy=True):
+        if any_greedy:  # greedy verification ignores q: there is no rate to replay
+            raise ValueError("eagle3_replay replays sampled acceptance: requests need T > 0")
         super()._draw(logits, temps, u, greedy, sampled, any_greedy)  # the real draw's cost
         m = self.sizes[min(self._step, len(self.sizes) - 1)]
         self._step += 1

@@ -18,22 +18,18 @@ branch terms: linear), measured from the allocator's event stream
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks import harness
 from benchmarks.harness import peak_bytes
 from specrl.core.attention import PackedLayout
 from specrl.models.config import ModelConfig
 from specrl.models.decoder import CacheBatch, DecoderLayer, Transformer
 from specrl.models.draft import DraftConfig, Eagle3Draft, init_draft_weights
 from specrl.models.presets import preset_config
-
-RESULTS = Path(__file__).parents[1] / "results" / "studies" / "draft.json"
 
 
 def target_flops(cfg: ModelConfig, ctx: int) -> float:
@@ -179,39 +175,27 @@ def memory_rows(lengths: list[int], steps: int) -> list[dict]:
     return rows
 
 
-def table(title: str, rows: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=title)
-    for c in rows[0]:
-        t.add_column(c, justify="right")
-    for r in rows:
-        t.add_row(*(str(v) for v in r.values()))
-    Console().print(t)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
+    ap = harness.parser(__doc__, "studies/draft", repeats=20, clock=False)
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads (1: stable timings on shared machines)",
-    )
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    harness.configure(ap, args)
     torch.manual_seed(0)
     costs = cost_rows(args.context, 5 if args.quick else args.repeats, args.quick)
     lengths = [128, 256, 512] if args.quick else [256, 512, 1024, 2048]
     mem = memory_rows(lengths, 7)
-    table(f"draft step / target step, batch 1, context {args.context}, CPU", costs)
-    table("TTT forward+backward peak memory (K = 7), toy-small draft", mem)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"cost": costs, "memory": mem}, indent=2) + "\n")
+    harness.report(
+        args,
+        [
+            (
+                f"draft step / target step, batch 1, context {args.context}, CPU",
+                costs,
+                list(costs[0]),
+            ),
+            ("TTT forward+backward peak memory (K = 7), toy-small draft", mem, list(mem[0])),
+        ],
+        {"cost": costs, "memory": mem},
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import pytest
 import torch
 from benchmarks import harness
 
+from tests.conftest import REPO
+
 
 def test_interleave_warms_up_then_rotates_and_drops_none():
     calls = []
@@ -84,3 +86,31 @@ def test_peak_bytes_sees_a_temporary_allocation():
         del x
 
     assert harness.peak_bytes(alloc) >= n
+
+
+OPTIONAL = {"vllm", "megatron", "transformer_engine", "flash_attn"}
+SCRIPTS = sorted(
+    p.relative_to(REPO).with_suffix("")
+    for p in [*(REPO / "benchmarks").glob("*.py"), *(REPO / "benchmarks" / "studies").glob("*.py")]
+    if p.stem not in ("__init__", "harness")
+)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=str)
+def test_every_benchmark_script_imports_and_parses_its_options(script, monkeypatch, capsys):
+    """``--help`` of every script (its imports, its parser built on the harness) exits 0."""
+    import importlib
+    import sys
+
+    name = ".".join(script.parts)
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] in OPTIONAL:
+            pytest.skip(f"{name} needs {err.name}")
+        raise
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--help"])
+    with pytest.raises(SystemExit) as exc:
+        module.main()
+    assert exc.value.code == 0
+    assert "--out" in capsys.readouterr().out

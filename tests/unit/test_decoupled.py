@@ -354,4 +354,4 @@ def test_greedy_auto_mode_matches_plain_and_uses_both_modes(slots):
     used = {m for per in modes.values() for m, v in per.items() if v["steps"]}
     assert used == {"coupled", "decoupled"}
     with pytest.raises(ConfigError, match="decoupled"):
-        make_engine(model, spec=SpecConfig(decoupled="sometimes"))
+        make_engine(model, spec=SpecConfig(proposers=["ngram"], decoupled="sometimes"))

@@ -165,28 +165,31 @@ def test_backlog_counts_the_positions_the_draft_has_not_seen():
     cost sample carries that backlog), then the newly committed positions."""
     target, draft = make_pair()
     engine = make_engine(target, max_batch_size=2, spec=spec_with(draft, "eagle3", k=2))
-    prop, ctrl = engine.proposers["eagle3"], engine.controller
-    plan, record_draft = ctrl.plan, ctrl.record_draft
-    speculate = iter([False, False, False, True, False, True])
-    planned, drafted, unseen = [], [], []
+    prop = engine.proposers["eagle3"]
+    running: dict[int, object] = {}
+    observe, propose, caught_up = prop.observe, prop.propose, []
 
-    def gated(batch_size, backlog=None, remaining=None):
-        backlog = backlog() if callable(backlog) else backlog  # the engine passes it lazily
-        planned.append(backlog["eagle3"])
-        states = [prop._state[s.seq_id] for s in engine._running]
-        unseen.append(sum(b - a for st in states for _, a, b in st.pending))  # tap rows queued
-        return plan(batch_size, backlog, remaining) if next(speculate, True) else None
+    def spy_observe(batch, *args):
+        running.update((s.seq_id, s) for s in batch)
+        observe(batch, *args)
 
-    ctrl.plan = gated
-    ctrl.record_draft = lambda *args: drafted.append(args[4]) or record_draft(*args)
-    out = engine.generate([Request(p, greedy(12)) for p in PROMPTS[:2]])
-    assert planned[:4] == [11, 13, 15, 17]  # prompts of 6 and 5 tokens, then +2 a plain step
-    assert planned == unseen  # every step: the tap rows queued for the next catch-up
-    assert drafted[0] == 17  # the first drafting call caught up all of it
-    assert 2 <= planned[4] <= 2 * 3  # then only what that verification committed
-    assert ctrl.lengths.expected_remaining(0, 100) == pytest.approx(
-        sum(len(r.tokens) for r in out) / len(out)
-    )  # finished lengths reach the gate's length model
+    def spy_propose(batch, ks):
+        caught_up.append(prop.backlog(batch))
+        return propose(batch, ks)
+
+    prop.observe, prop.propose = spy_observe, spy_propose
+    engine.controller.force(False)
+    engine.add_requests([Request(p, greedy(12)) for p in PROMPTS[:2]])
+    queued = []
+    for _ in range(4):
+        engine.step()
+        queued.append(prop.backlog(list(running.values())))
+    assert queued == [11, 13, 15, 17]  # prompts of 6 and 5 tokens, then +2 a plain step
+    engine.controller.force(True)
+    engine.step()
+    assert caught_up == [17]  # the drafting call caught up all of it ...
+    assert engine.controller.drafting["eagle3"].observations == 1  # ... in its cost sample
+    assert 2 <= prop.backlog(list(running.values())) <= 2 * 3  # then what it committed
 
 
 @pytest.mark.parametrize("bad", [0, -0.5, "hot", True, None])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import logging
 import random
 
@@ -18,13 +19,14 @@ import pytest
 import torch
 from scipy import stats
 
+from specrl.config.loader import from_dict
 from specrl.core.attention import PackedLayout
 from specrl.errors import CheckpointError, ConfigError
 from specrl.models.decoder import Transformer
 from specrl.models.generate import generate
 from specrl.models.presets import preset_config
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
-from specrl.rollout.proposers import Draft, build_proposer, register_proposer
+from specrl.rollout.proposers import Draft, ProposerBase, build_proposer, register_proposer
 from specrl.rollout.proposers.ngram import NgramProposer
 from specrl.rollout.sampling import RowParams, sampling_probs
 
@@ -37,7 +39,7 @@ def tiny(seed: int = 0, vocab: int = 32) -> Transformer:
 
 
 # ------------------------------------------------------------------------- test proposers
-class Garbage:
+class Garbage(ProposerBase):
     """Uniformly random one-hot drafts: almost always rejected."""
 
     name = "test-garbage"
@@ -111,6 +113,10 @@ class Oracle(Garbage):
     def propose(self, batch, ks):
         outs = generate(self.draft, [s.tokens for s in batch], max(ks))
         return [Draft(o[:k]) for o, k in zip(outs, ks, strict=True)]
+
+    def check_weights(self, state):
+        if set(state) != set(self.draft.state_dict()):
+            raise CheckpointError("test-oracle: weights do not match its draft")
 
     def load_weights(self, state):
         self.draft.load_state_dict(state)
@@ -195,7 +201,9 @@ def test_speculative_greedy_matches_reference(slots, proposers, gate):
 
 def test_group_samples_share_one_prefill():
     model = tiny()
-    engine = make_engine(model, max_batch_size=8, spec=SpecConfig(max_k=3, gate=False))
+    engine = make_engine(
+        model, max_batch_size=8, spec=SpecConfig(proposers=["ngram"], max_k=3, gate=False)
+    )
     out = engine.generate([Request(PROMPTS[0], greedy(n=3)), Request(PROMPTS[1], greedy(n=2))])
     ref = generate(model, PROMPTS[:2], 24)
     assert [(r.request_id, r.index) for r in out] == [
@@ -317,7 +325,7 @@ def test_stop_token_ends_the_sample_and_is_kept():
     free = run(make_engine(model), PROMPTS[:1], greedy(24))[0].tokens
     stop = free[5]
     cut = free.index(stop) + 1
-    engine = make_engine(model, spec=SpecConfig(max_k=4, gate=False))
+    engine = make_engine(model, spec=SpecConfig(proposers=["ngram"], max_k=4, gate=False))
     out = run(engine, PROMPTS[:1], greedy(24, stop_token_ids=(stop,)))[0]
     assert out.tokens == free[:cut]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
@@ -336,7 +344,7 @@ def test_eos_and_stop_strings_with_a_codec():
     )[0]
     assert len(free.text) >= 8
     needle = free.text[4:6]
-    spec = SpecConfig(max_k=4, gate=False)
+    spec = SpecConfig(proposers=["ngram"], max_k=4, gate=False)
     out = make_engine(model, codec=codec, eos_token_ids=[], spec=spec).generate(
         [Request(prompt, greedy(20, stop=(needle,)))]
     )[0]
@@ -397,7 +405,9 @@ def test_ngram_drafts_from_own_context_siblings_and_history():
 
 def test_ngram_history_raises_acceptance_on_a_repeated_prompt():
     model = tiny(seed=4)
-    engine = make_engine(model, max_batch_size=2, spec=SpecConfig(max_k=4, gate=False))
+    engine = make_engine(
+        model, max_batch_size=2, spec=SpecConfig(proposers=["ngram"], max_k=4, gate=False)
+    )
     first = run(engine, PROMPTS[3:4], greedy(24))
     tau_first = engine.stats()["spec"]["tau"]
     again = run(engine, PROMPTS[3:4], greedy(24))
@@ -410,7 +420,7 @@ def test_ngram_history_raises_acceptance_on_a_repeated_prompt():
 # ------------------------------------------------------------------------- weights, alarm, stats
 def test_update_weights_switches_the_policy_and_reports_versions():
     model, other = tiny(seed=0), tiny(seed=9)
-    engine = make_engine(model, max_batch_size=2, spec=SpecConfig(max_k=2))
+    engine = make_engine(model, max_batch_size=2, spec=SpecConfig(proposers=["ngram"], max_k=2))
     engine.update_weights(policy=other.state_dict(), version=7)
     out = run(engine, PROMPTS[:3], greedy(10))
     assert [r.tokens for r in out] == generate(other, PROMPTS[:3], 10)
@@ -481,9 +491,9 @@ def test_bad_requests_and_registry_errors():
         make_engine(tiny(), spec=SpecConfig(proposers=("nope",)))
     with pytest.raises(ConfigError, match="bad options"):
         build_proposer("test-garbage", None, colour="red")  # type: ignore[arg-type]
-    for spec in (SpecConfig(max_k=0), SpecConfig(max_k=4, draft_lengths=(2, 5))):
-        with pytest.raises(ConfigError, match=r"max k must|draft_lengths must"):
-            make_engine(tiny(), spec=spec)
+    for bad in ({"max_k": 0}, {"max_k": 4, "draft_lengths": [2, 5]}):  # a recipe's one-line error
+        with pytest.raises(ConfigError, match=r"max_k must|draft_lengths must"):
+            from_dict(SpecConfig, {"proposers": ["ngram"], **bad}, prefix="rollout.speculation")
     engine = make_engine(tiny(), spec=SpecConfig(("ngram",), max_k=8, draft_lengths=(8, 2, 2)))
     assert [arm.k for arm in engine.controller.arms] == [2, 8]
     with pytest.raises(ValueError, match="already registered"):
@@ -493,7 +503,7 @@ def test_bad_requests_and_registry_errors():
 def test_continuous_batching_reuses_slots_under_load():
     model = tiny()
     prompts = [list(p) for p in itertools.islice(itertools.cycle(PROMPTS), 11)]
-    engine = make_engine(model, max_batch_size=3, spec=SpecConfig(max_k=2))
+    engine = make_engine(model, max_batch_size=3, spec=SpecConfig(proposers=["ngram"], max_k=2))
     lengths = [SamplingParams(max_tokens=m, temperature=0) for m in (3, 9, 17)]
     reqs = [Request(p, lengths[i % 3], request_id=str(i)) for i, p in enumerate(prompts)]
     engine.add_requests(reqs)
@@ -604,3 +614,57 @@ def test_generate_reports_its_rollout_wave():
     # every step's decoded sequences emitted ≥ 1 token each
     assert sum(live[1:]) <= sum(len(r.tokens) for r in out)
     assert engine.stats()["wave"] is None  # lifetime counters keep no per-step list
+
+
+# ------------------------------------------------------------------------- resumable state
+def _sampled_round(engine: RolloutEngine, seed: int) -> list:
+    params = SamplingParams(max_tokens=12, temperature=1.0, n=2)
+    out = engine.generate([Request(p, params) for p in PROMPTS[seed % 3 : seed % 3 + 3]])
+    return [r.tokens for r in out]
+
+
+def test_engine_state_through_json_replays_the_run_exactly():
+    """Resume identity: an engine rebuilt from a JSON'd state (policy, counters, n-gram history,
+    sampling seeds) decodes what the original goes on to decode, token for token."""
+    model = tiny(seed=2)
+    spec = SpecConfig(proposers=["ngram"], max_k=3)
+    first = make_engine(model, max_batch_size=3, spec=spec, seed=9)
+    for r in range(3):
+        _sampled_round(first, r)
+    state = json.loads(json.dumps(first.state_dict()))
+    second = make_engine(model, max_batch_size=3, spec=spec, seed=123)
+    second.load_state_dict(state)
+    second.clock.now = first.clock.now  # the clock is the caller's: the same timings
+    for r in range(3, 6):
+        assert _sampled_round(first, r) == _sampled_round(second, r)
+    assert first.state_dict() == second.state_dict()
+    assert state["proposers"]["ngram"]["history"]  # the history travelled with it
+
+
+def test_engine_state_of_the_older_format_keeps_versions_and_seed(caplog):
+    engine = make_engine(tiny(), spec=SpecConfig(proposers=["ngram"], max_k=2), seed=1)
+    rng = random.Random(5)
+    version, internal, gauss = rng.getstate()
+    legacy = {
+        "controller": {"__obj__": "specrl.rollout.gating.SpecController", "attrs": {}},
+        "_rng": {"__random__": [version, list(internal), gauss]},
+        "policy_version": 4,
+        "draft_version": 2,
+        "_next_seq": 10,
+        "_next_request": 5,
+    }
+    with caplog.at_level(logging.WARNING, logger="specrl.rollout"):
+        engine.load_state_dict(legacy)
+    assert (engine.policy_version, engine.draft_version) == (4, 2)
+    assert "older format" in caplog.text
+    assert engine.add_requests([Request([1], greedy(2))]) == ["req-5"]
+    with pytest.raises(CheckpointError, match="no format"):
+        engine.load_state_dict({"controller": {}})
+
+
+def test_saved_state_with_an_unknown_proposer_is_refused():
+    saved = make_engine(tiny(), spec=SpecConfig(proposers=["ngram", "test-garbage"], max_k=2))
+    state = saved.state_dict()
+    engine = make_engine(tiny(), spec=SpecConfig(proposers=["ngram"], max_k=2))
+    with pytest.raises(ConfigError, match="test-garbage"):
+        engine.load_state_dict(state)

@@ -7,7 +7,7 @@ its own section.  Precedence: ``--set`` overrides > recipe YAML > the defaults b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from specrl.config.loader import doc
 
@@ -192,13 +192,42 @@ class SpeculationConfig:
         help="Drafters the bandit chooses from at each decode step.",
     )
     max_k: int = doc(4, "Longest draft per verification.", ge=1, le=64)
-    gate: bool = doc(True, "Gate speculation by batch size from the online cost model.")
+    draft_lengths: list[int] | None = doc(
+        None, "Draft lengths k the bandit chooses from; null: every k in 1 … max_k."
+    )
+    gate: bool = doc(
+        True, "Gate speculation per batch size from measured step costs; false: always on."
+    )
+    k_by_batch_size: dict[int, int] | None = doc(
+        None,
+        "Static table instead of the learned gate: batch size → k (0: plain); a batch uses "
+        "the entry of the largest batch size ≤ its own, e.g. {1: 4, 8: 2, 32: 0}.",
+    )
     epsilon: float = doc(0.1, "Bandit exploration rate.", ge=0, le=1)
+    hysteresis: float = doc(
+        0.1, "Gate: off below expected speedup 1, on again above 1 + h.", ge=0, le=10
+    )
+    probe: float = doc(
+        0.05, "Share of decode steps that probe the other side of the gate.", ge=0, le=1
+    )
+    alarm_window: int = doc(32, "Drafts per window of the stale-draft alarm.", ge=1, le=1_000_000)
+    alarm_tau: float = doc(1.05, "τ at or below which an alarm window warns.", ge=0, le=65)
+    proposer_options: dict[str, dict[str, Any]] = doc(
+        factory=dict,
+        help="Per proposer options, e.g. {eagle3: {temperature_scale: 0.25}, ngram: {max_n: 4}}.",
+    )
+
     decoupled: bool | Literal["auto"] = doc(
         False,
         "Decoupled drafting (embedded engine): a drafter worker drafts the next step while the "
         "target verifies this one, assuming this step's drafts accepted (lossless either way); "
         "auto: per batch size, coupled or decoupled by measured throughput.",
+    )
+    drafter_threads: int | None = doc(
+        1,
+        "Decoupled drafting: the worker's intra-op threads (null: torch's default).",
+        ge=1,
+        le=4096,
     )
     drafter_timeout: float = doc(
         30.0,
@@ -208,6 +237,18 @@ class SpeculationConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.max_k < 1:
+            raise ValueError(f"max_k must be ≥ 1, got {self.max_k}")
+        if not 0 <= self.epsilon <= 1 or not 0 <= self.probe <= 1 or self.hysteresis < 0:
+            raise ValueError("need epsilon and probe in [0, 1] and hysteresis ≥ 0")
+        ks = self.draft_lengths or []
+        if not all(1 <= k <= self.max_k for k in ks):
+            raise ValueError(f"draft_lengths must lie in 1 … max_k = {self.max_k}, got {ks}")
+        table = self.k_by_batch_size or {}
+        if not all(b >= 1 and 0 <= k <= self.max_k for b, k in table.items()):
+            raise ValueError(
+                f"k_by_batch_size needs batch sizes ≥ 1 and k in 0 … max_k = {self.max_k}"
+            )
         if self.drafter_timeout <= 0:
             raise ValueError(f"drafter_timeout must be > 0, got {self.drafter_timeout}")
 

@@ -9,7 +9,9 @@
 - :mod:`~specrl.rollout.sampling`: sampling parameters, processed distributions, the sampler;
 - :mod:`~specrl.rollout.verify`: the accept / recover / bonus rule, batched on device;
 - :mod:`~specrl.rollout.proposers`: the ``Proposer`` protocol, the registry, ``ngram``;
-- :mod:`~specrl.rollout.gating`: cost model, batch-size gate, drafter/k bandit;
+- :mod:`~specrl.rollout.gating`: the speculation policy (batch-size gate, drafter/k choice),
+  over :mod:`~specrl.rollout.estimates` (acceptance per position, cost curves) and
+  :mod:`~specrl.rollout.bandit` (ε-greedy, running means);
 - :mod:`~specrl.rollout.metrics`: τ, per-position acceptance, counters, the stale-draft alarm;
 - :mod:`~specrl.rollout.server`: the OpenAI-compatible HTTP server (``specrl rollout serve``).
 """

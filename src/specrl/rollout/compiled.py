@@ -39,7 +39,7 @@ call of a class has run without compiling, later calls of that class skip dynamo
   bytecode, which feeds the compiled graph) as a plain function — no frame interception, no
   cache lookup.  This is vLLM's custom dispatcher (``TorchCompileWrapperWithCustomDispatcher``)
   and saves a further 110 µs (batch 1) to 460 µs (batch 32) per toy decode forward over the
-  stance below (measured: docs/benchmarks.md, "Decisions").
+  stance below (measured on the toy targets; docs/benchmarks.md).
   Every ``check_every``-th direct call (:data:`CHECK_EVERY`; every call in the test suite)
   first evaluates the entry's guards in full: should they fail, the key missed a fact, and the
   call, and its class from then on, run fully guarded;
@@ -78,8 +78,6 @@ RECOMPILE_LIMIT = 64
 # every how many direct calls of a graph class its entry's guards are evaluated in full (0:
 # never); the test suite sets 1, so every compiled call of the engine tests proves its key
 CHECK_EVERY = 256
-# direct calls on (read when a Compiled is built; off leaves the guard-free stance alone)
-DIRECT_CALLS = True
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +115,7 @@ class Compiled:
         # and per served class the cache entry dynamo runs for it, as a function
         raw = getattr(fn, "__func__", fn)
         self._self = getattr(fn, "__self__", None) if raw is not fn else None
-        direct_ok = DIRECT_CALLS and _ENTRIES is not None and isinstance(raw, types.FunctionType)
+        direct_ok = _ENTRIES is not None and isinstance(raw, types.FunctionType)
         self._raw: types.FunctionType | None = raw if direct_ok else None
         self._signature = inspect.signature(raw) if direct_ok else None
         self._direct: dict[Hashable, tuple[Callable[..., Any], Any]] = {}

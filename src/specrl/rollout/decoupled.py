@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from specrl.rollout.gating import EpsilonGreedy, RunningMean
+from specrl.rollout.bandit import EpsilonGreedy, RunningMean
 from specrl.rollout.metrics import SpecStats
 from specrl.rollout.types import Draft, SeqState
 

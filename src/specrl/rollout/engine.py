@@ -18,9 +18,9 @@
 
 Timing (for the gate): the injected ``clock`` times each step and each ``propose`` call, and the
 prefill forward (CUDA events on a GPU, read after the step's sync, so timing adds no sync); the
-cost model sees the target's decode share only.  The single host sync per step is the engine's;
-a proposer that reads device values while drafting (eagle3 picks its tokens on the host) adds
-its own.
+gate's cost curves see the target's decode share only.  The single host sync per step is the
+engine's; a proposer that reads device values while drafting (eagle3 picks its tokens on the
+host) adds its own.
 
 Slots stay **compact**: after a step in which sequences finished, the sequences in the highest
 slots move (their K/V rows, and each proposer's per-slot state through ``move``) into the freed
@@ -59,13 +59,14 @@ from typing import Any
 
 import torch
 
+from specrl.config.schema import SpeculationConfig
 from specrl.core.attention import PackedLayout
-from specrl.errors import ConfigError
+from specrl.errors import CheckpointError, ConfigError
 from specrl.models.decoder import CacheBatch, Transformer
 from specrl.models.tokenizer import TextCodec
 from specrl.rollout.compiled import Compiled, CompiledDecode
 from specrl.rollout.decoupled import DrafterError, DraftWorker, Lookahead, ModeChoice
-from specrl.rollout.gating import COST_WINDOW, Arm, SpecController
+from specrl.rollout.gating import Arm, SpecController
 from specrl.rollout.metrics import AcceptanceAlarm, Counters
 from specrl.rollout.proposers import Proposer, ProposerContext, SupportsWeights, build_proposer
 from specrl.rollout.sampling import (
@@ -83,30 +84,8 @@ __all__ = ["Request", "Result", "Results", "RolloutEngine", "SpecConfig"]
 log = logging.getLogger("specrl.rollout")
 
 
-@dataclass
-class SpecConfig:
-    """Speculation settings of an engine (``RolloutEngine(spec=None)`` decodes plainly)."""
-
-    proposers: tuple[str, ...] = ("ngram",)  # registry names; the bandit chooses among them
-    max_k: int = 4  # longest draft; the bandit chooses k in 1 … max_k
-    draft_lengths: tuple[int, ...] | None = None  # the k it may choose (None: all of 1 … max_k)
-    proposer_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    gate: bool = True  # batch-size gate from the online cost model (False: always speculate)
-    epsilon: float = 0.1  # bandit exploration rate
-    hysteresis: float = 0.1  # gate: off below expected speedup 1, on again above 1 + h
-    probe: float = 0.05  # while the gate is off, ~1 step in 1/probe speculates anyway
-    # most timing samples per window of the cost fits (the default exceeds COST_MAX_AGE: age
-    # bounds them, so plain and speculative steps are averaged over the same steps)
-    cost_window: int = COST_WINDOW
-    alarm_window: int = 32  # drafts per window of the stale-draft alarm
-    alarm_tau: float = 1.05  # τ at or below which a window raises the alarm
-    # decoupled drafting (specrl.rollout.decoupled): a worker drafts step t + 1 while the
-    # target verifies step t ("auto": per batch size, coupled or decoupled by measured
-    # throughput); its intra-op threads, and how long a draft may take before the worker
-    # counts as hung (the requests in flight then fail)
-    decoupled: bool | str = False
-    drafter_threads: int | None = 1
-    drafter_timeout: float = 30.0
+# the recipe's speculation section is the engine's settings, passed straight through
+SpecConfig = SpeculationConfig
 
 
 @dataclass
@@ -228,9 +207,7 @@ class RolloutEngine:
                 eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
             )
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.spec = spec = spec if spec is not None else SpecConfig(proposers=())
-        if spec.max_k < 1:
-            raise ConfigError(f"max k must be ≥ 1, got {spec.max_k}")
+        self.spec = spec = spec if spec is not None else SpecConfig(proposers=[])
         self._compiled = CompiledDecode(model) if compile else None
         # verification and logprobs (the processed p comes in: its flags follow the requests'
         # sampling parameters and would multiply the graph classes)
@@ -246,20 +223,9 @@ class RolloutEngine:
             for name in spec.proposers
         }
         self.tap_layers = tuple(sorted({t for p in self.proposers.values() for t in p.tap_layers}))
-        try:
-            self.controller = SpecController(
-                list(self.proposers),
-                spec.max_k,
-                ks=spec.draft_lengths,
-                epsilon=spec.epsilon,
-                hysteresis=spec.hysteresis,
-                probe=spec.probe,
-                cost_window=spec.cost_window,
-                gate=spec.gate,
-                seed=seed,
-            )
-        except ValueError as e:  # a SpecConfig field out of range (the message names it)
-            raise ConfigError(f"speculation settings: {e}") from None
+        self.controller = SpecController(
+            spec, list(self.proposers), seed=seed, padded=self._compiled is not None
+        )
         self.alarm = AcceptanceAlarm(spec.alarm_window, spec.alarm_tau)
         self.lookahead: Lookahead | None = None
         self.mode_choice: ModeChoice | None = None
@@ -331,8 +297,9 @@ class RolloutEngine:
                 self.lookahead.release(seq)
         for rid in ids:
             self._open.pop(rid, None)
-        if running:
-            self._compact()
+        # always: after a step that failed between releasing finished samples and compacting,
+        # this is what puts the running samples back in slots 0..n−1 and the free list in order
+        self._compact()
         return len(queued) + len(running)
 
     @property
@@ -486,9 +453,9 @@ class RolloutEngine:
                 target = seconds - sum(call[3] for call in decode.draft_calls) - waited
                 if prefill is not None:
                     target -= self._stopwatch.seconds(start, stop)
-            padded = len(decode.seqs) * max(decode.num_rows)
             tokens = sum(decode.num_rows)
-            self.controller.record_step(tokens, padded, target, len(decode.seqs))
+            rows = len(decode.seqs) * max(decode.num_rows) if decode.tensors["padded"] else tokens
+            self.controller.record_step(rows, target, tokens > len(decode.seqs))
             if self.mode_choice is not None and mode is not None and timed:
                 emitted = sum(n + 1 for n in host[-1]["num_accepted"])
                 self.mode_choice.record(len(decode.seqs), mode, emitted, seconds)
@@ -504,9 +471,7 @@ class RolloutEngine:
         if movers:
             moves = list(zip(movers, holes, strict=True))
             for p in self.proposers.values():
-                move = getattr(p, "move", None)
-                if move is not None:
-                    move(moves)
+                p.move(moves)
             rows = max(s.kv_len for s in movers)
             self.cache.copy_slots([s.slot for s in movers], holes, rows)
             for seq, slot in moves:
@@ -547,17 +512,17 @@ class RolloutEngine:
         )
 
     def _plan_decode(self, seqs: list[SeqState]) -> _Launch:
-        arms = self.controller.plan(
-            len(seqs), lambda: self._backlog(seqs), lambda: self._remaining(seqs)
-        )
+        arms = self.controller.plan(len(seqs))
         drafts = [Draft([]) for _ in seqs]
         caps = [0] * len(seqs)
         draft_calls = []
         if arms is not None:
             for c in self._counting():
-                c.selections.update(str(arm) for arm in arms)
+                c.selections.update(str(arm) for arm in arms if arm is not None)
             asked: dict[str, list[int]] = {}
             for b, (seq, arm) in enumerate(zip(seqs, arms, strict=True)):
+                if arm is None:
+                    continue
                 # never draft past max_tokens: k + 1 tokens can be emitted
                 caps[b] = min(arm.k, seq.params.max_tokens - seq.num_output - 1)
                 asked.setdefault(arm.proposer, []).append(b)
@@ -567,7 +532,7 @@ class RolloutEngine:
                 if not any(caps[b] for b in idx):
                     continue
                 batch = [seqs[b] for b in idx]
-                queued = self._backlog(batch, name).get(name, 0)
+                queued = self.proposers[name].backlog(batch)
                 t0 = self.clock()
                 got = self.proposers[name].propose(batch, [caps[b] for b in idx])
                 spent = self.clock() - t0
@@ -638,20 +603,6 @@ class RolloutEngine:
         held = {s.request_id for s in (*self._running, *self._waiting)}
         self.abort(sorted(held))
         log.warning("%s; later requests draft coupled (decoupled drafting is off)", exc)
-
-    def _backlog(self, seqs: list[SeqState], only: str | None = None) -> dict[str, int]:
-        """Positions each proposer (with a ``backlog`` method) has queued for ``seqs``."""
-        out = {}
-        for name, p in self.proposers.items():
-            count = getattr(p, "backlog", None)
-            if count is not None and (only is None or name == only):
-                out[name] = count(seqs)
-        return out
-
-    def _remaining(self, seqs: list[SeqState]) -> float:
-        """Expected tokens the running ``seqs`` still generate (the gate's horizon)."""
-        lengths = self.controller.lengths
-        return sum(lengths.expected_remaining(s.num_output, s.params.max_tokens) for s in seqs)
 
     def _checked(self, name: str, draft: Draft, cap: int) -> Draft:
         """A proposer's draft cut to ``cap`` tokens, with its ids and q shape validated."""
@@ -1011,7 +962,6 @@ class RolloutEngine:
 
     def _finish(self, seq: SeqState) -> Result:
         self._running.remove(seq)
-        self.controller.record_finished(seq.num_output)
         self._free_slots.append(seq.slot)
         for p in self.proposers.values():
             p.release(seq)
@@ -1044,8 +994,8 @@ class RolloutEngine:
     def _learn(self, launch: _Launch, host: dict[str, list], timed: bool = True) -> None:
         """Feed the drafting cost models (``timed``: the step's times are samples), then the
         acceptance estimates: one verification per sequence that was allowed to draft."""
-        for call in launch.draft_calls if timed else ():
-            self.controller.record_draft(*call)
+        for name, tokens, _, seconds, queued in launch.draft_calls if timed else ():
+            self.controller.record_draft(name, tokens, seconds, queued)
         for b, arm in enumerate(launch.arms):
             if arm is None or launch.caps[b] <= 0:
                 continue
@@ -1065,25 +1015,21 @@ class RolloutEngine:
             return 0
         before = self.compiled_graphs or 0
         state = self.state_dict()
-        gating = self.controller.gating
         stop = self.eos_token_ids
         ids = [t for t in range(self.vocab_size) if t not in stop][:3]
         prompt = (ids * 3)[:8]  # repeats, so n-gram drafters find matches
         max_tokens = min(8, self.max_model_len - len(prompt) - 1)
         if max_tokens < 2 or len(ids) < 2:
             return 0
-        bandit = self.controller.bandit
         try:
             for n, temperature in itertools.product((1, 2), (0.0, 1.0)):
                 params = SamplingParams(max_tokens=max_tokens, temperature=temperature, n=n)
-                # speculating steps (gate off) where there are proposers, then plain ones (no
-                # bandit: every step plain), whose M = 1 the speculating run may never reach
-                for spec in (True, False) if bandit is not None else (False,):
-                    self.controller.gating = not spec
-                    self.controller.bandit = bandit if spec else None
+                # speculating steps (M > 1) where there are proposers, then plain ones (M = 1)
+                for speculate in (True, False) if self.proposers else (False,):
+                    self.controller.force(speculate)
                     self.generate([Request(prompt, params)])
         finally:
-            self.controller.gating, self.controller.bandit = gating, bandit
+            self.controller.force(None)
             self.load_state_dict(state)
         return (self.compiled_graphs or 0) - before
 
@@ -1093,7 +1039,7 @@ class RolloutEngine:
         """Graphs compiled so far for the decode steps and the proposers (None: eager)."""
         if self._compiled is None:
             return None
-        extra = sum(getattr(p, "compiled_graphs", 0) for p in self.proposers.values())
+        extra = sum(p.compiled_graphs for p in self.proposers.values())
         return self._compiled.graphs + self._compiled_decide.graphs + extra  # type: ignore[union-attr]
 
     @property
@@ -1130,9 +1076,7 @@ class RolloutEngine:
         copies = self._policy_copies(policy) if policy is not None else []
         if draft is not None:
             for p in weighted:
-                check = getattr(p, "check_weights", None)
-                if check is not None:
-                    check(draft)
+                p.check_weights(draft)
         if policy is not None:
             apply_update(copies)
             self.policy_version = version if version is not None else self.policy_version + 1
@@ -1167,11 +1111,7 @@ class RolloutEngine:
             "running": len(self._running),
             "waiting": len(self._waiting),
             # a proposer's own state (EAGLE-3: its draft temperature scale), where it has any
-            "drafters": {
-                name: p.stats()
-                for name, p in self.proposers.items()
-                if callable(getattr(p, "stats", None))
-            },
+            "drafters": {name: stats for name, p in self.proposers.items() if (stats := p.stats())},
             "gating": self.controller.to_dict(),
             "alarm_tau": dict(self.alarm.last),
             "alarm_armed": self.alarm.armed,
@@ -1184,42 +1124,72 @@ class RolloutEngine:
         }
 
     # ---------------------------------------------------------------------- resumable state
-    _STATE_ATTRS = (
-        "controller",
-        "alarm",
-        "_rng",
-        "policy_version",
-        "draft_version",
-        "_next_seq",
-        "_next_request",
-        "_total",
-    )
+    STATE_FORMAT = 2  # 1: the reflective snapshots of specrl < 0.2 (no "format" key)
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able decision state (bandit, gate, cost model, alarm, counters, proposer
-        histories) so a resumed run replays speculation exactly.  Needs an idle engine."""
-        from specrl.rollout.state import snapshot
-
+        """JSON-able decision state (speculation policy, alarm, counters, sampling seeds,
+        proposers' own) so a resumed run replays speculation exactly.  Needs an idle engine."""
         if self.has_unfinished():
             raise RuntimeError("state_dict() needs an idle engine")
-        state = {name: snapshot(getattr(self, name)) for name in self._STATE_ATTRS}
-        state["proposer_state"] = {
-            name: {a: snapshot(getattr(p, a)) for a in getattr(p, "state_attrs", ())}
-            for name, p in self.proposers.items()
+        version, internal, gauss = self._rng.getstate()
+        return {
+            "format": self.STATE_FORMAT,
+            "policy_version": self.policy_version,
+            "draft_version": self.draft_version,
+            "next_seq": self._next_seq,
+            "next_request": self._next_request,
+            "rng": [version, list(internal), gauss],
+            "controller": self.controller.state_dict(),
+            "alarm": self.alarm.state_dict(),
+            "counters": self._total.state_dict(),
+            "proposers": {name: p.state_dict() for name, p in self.proposers.items()},
         }
-        return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from specrl.rollout.state import restore
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output.  A state of the older reflective format keeps
+        its versions, request counters and sampling seed; the speculation policy, alarm, counters
+        and proposer histories then start fresh (one warning)."""
+        if "format" not in state:
+            self._load_legacy_state(state)
+            return
+        unknown = sorted(set(state["proposers"]) - set(self.proposers))
+        if unknown:
+            raise ConfigError(
+                f"saved engine state has proposer {unknown[0]!r}, which this engine lacks",
+                hint="resume with the recipe the run was started with",
+            )
+        try:
+            self.policy_version = int(state["policy_version"])
+            self.draft_version = int(state["draft_version"])
+            self._next_seq, self._next_request = int(state["next_seq"]), int(state["next_request"])
+            version, internal, gauss = state["rng"]
+            self._rng.setstate((version, tuple(internal), gauss))
+            self.controller.load_state_dict(state["controller"])
+            self.alarm.load_state_dict(state["alarm"])
+            self._total.load_state_dict(state["counters"])
+            for name, saved in state["proposers"].items():
+                self.proposers[name].load_state_dict(saved)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(
+                f"saved engine state is malformed ({type(exc).__name__}: {str(exc)[:80]})",
+                hint="resume from an unaltered checkpoint",
+            ) from None
 
-        for name in self._STATE_ATTRS:
-            setattr(self, name, restore(state[name], getattr(self, name)))
-        for name, attrs in state.get("proposer_state", {}).items():
-            p = self.proposers.get(name)
-            if p is None:
-                raise ConfigError(
-                    f"saved engine state has proposer {name!r}, which this engine lacks",
-                    hint="resume with the recipe the run was started with",
-                )
-            for a, v in attrs.items():
-                setattr(p, a, restore(v, getattr(p, a)))
+    def _load_legacy_state(self, state: Mapping[str, Any]) -> None:
+        try:
+            version, internal, gauss = state["_rng"]["__random__"]
+            self._rng.setstate((version, tuple(internal), gauss))
+            self.policy_version, self.draft_version = (
+                state["policy_version"],
+                state["draft_version"],
+            )
+            self._next_seq, self._next_request = state["_next_seq"], state["_next_request"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(
+                "saved engine state is in no format this specrl reads",
+                hint="resume with the specrl version that wrote it",
+            ) from None
+        log.warning(
+            "engine state in the older format: versions and sampling seed restored; the "
+            "speculation policy, alarm, counters and proposer histories start fresh"
+        )

@@ -3,8 +3,8 @@
 ``specrl rollout``, ``specrl rollout serve`` and ``specrl train`` all call it, so an engine
 means the same thing wherever it runs: the recipe section
 (:class:`~specrl.config.schema.RolloutConfig`) gives the slots, compilation and speculation
-(:class:`~specrl.config.schema.SpeculationConfig`, turned into the engine's
-:class:`~specrl.rollout.engine.SpecConfig` here and nowhere else); the caller gives what a recipe
+(:class:`~specrl.config.schema.SpeculationConfig`, which the engine takes as it is, with the
+draft added to the eagle3 proposer's options here); the caller gives what a recipe
 cannot — the policy and draft (modules or checkpoint directories), the codec, a seed, the
 longest sequence, a clock.
 
@@ -16,6 +16,7 @@ implementing :class:`~specrl.rollout.types.Engine` (vLLM) is chosen from the rec
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from specrl.models.checkpoint import load_model, load_tokenizer
 from specrl.models.decoder import Transformer
 from specrl.models.draft import Eagle3Draft
 from specrl.models.tokenizer import TextCodec
-from specrl.rollout.engine import RolloutEngine, SpecConfig
+from specrl.rollout.engine import RolloutEngine
 from specrl.rollout.types import Engine
 
 Source = Transformer | str | Path  # a module (copied: the engine owns its weights) or a directory
@@ -102,13 +103,12 @@ def build_embedded(
 
 def spec_config(
     speculation: SpeculationConfig | None, draft: DraftSource | None = None
-) -> SpecConfig | None:
+) -> SpeculationConfig | None:
     """The engine's speculation settings from the recipe's (None: plain decoding)."""
     if speculation is None or not speculation.proposers:
         return None
-    names = tuple(speculation.proposers)
-    options: dict[str, dict[str, Any]] = {}
-    if "eagle3" in names:
+    options = {name: dict(o) for name, o in speculation.proposer_options.items()}
+    if "eagle3" in speculation.proposers:
         if draft is None:
             raise ConfigError(
                 "rollout.speculation.proposers has 'eagle3' but no draft was given",
@@ -119,16 +119,8 @@ def spec_config(
             if isinstance(draft, Eagle3Draft)
             else {"path": str(draft)}
         )
-        options["eagle3"] = {**given, "max_k": speculation.max_k}
-    return SpecConfig(
-        proposers=names,
-        max_k=speculation.max_k,
-        gate=speculation.gate,
-        epsilon=speculation.epsilon,
-        proposer_options=options,
-        decoupled=speculation.decoupled,
-        drafter_timeout=speculation.drafter_timeout,
-    )
+        options["eagle3"] = {"max_k": speculation.max_k, **options.get("eagle3", {}), **given}
+    return dataclasses.replace(speculation, proposer_options=options)
 
 
 def load_target(path: Path, device: str | torch.device = "auto") -> tuple[Transformer, TextCodec]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +92,25 @@ class SpecStats:
             a / d for a, d in zip(self.position_accepted, self.position_drafts, strict=True) if d
         ]
 
+    _COUNTS = ("verifications", "drafts", "draft_tokens", "accepted", "emitted")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **{name: getattr(self, name) for name in self._COUNTS},
+            "position_drafts": list(self.position_drafts),
+            "position_accepted": list(self.position_accepted),
+            "selections": dict(self.selections),
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> SpecStats:
+        return cls(
+            *(int(state[name]) for name in cls._COUNTS),
+            [int(x) for x in state["position_drafts"]],
+            [int(x) for x in state["position_accepted"]],
+            Counter({str(k): int(v) for k, v in state["selections"].items()}),
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "verifications": self.verifications,
@@ -127,9 +146,33 @@ class Counters:
     # batch (sequences prefilled or decoded in the step) and how many of them carried drafts
     wave: list[tuple[int, int]] | None = None
 
+    _COUNTS = ("steps", "prefill_forwards", "decode_forwards", "tokens", "finished", "alarms")
+
     @classmethod
     def for_proposers(cls, names: Sequence[str], *, wave: bool = False) -> Counters:
         return cls({name: SpecStats() for name in names}, wave=[] if wave else None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **{name: getattr(self, name) for name in self._COUNTS},
+            "seconds": self.seconds,
+            "spec": self.spec.state_dict(),
+            "proposers": {name: s.state_dict() for name, s in self.proposers.items()},
+            "selections": dict(self.selections),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Counters saved by an engine with the same proposers (others' are dropped)."""
+        for name in self._COUNTS:
+            setattr(self, name, int(state[name]))
+        self.seconds = float(state["seconds"])
+        self.spec = SpecStats.from_state(state["spec"])
+        saved = state["proposers"]
+        self.proposers = {
+            name: SpecStats.from_state(saved[name]) if name in saved else SpecStats()
+            for name in self.proposers
+        }
+        self.selections = Counter({str(k): int(v) for k, v in state["selections"].items()})
 
     def to_dict(self) -> dict[str, Any]:
         forwards = self.prefill_forwards + self.decode_forwards
@@ -172,6 +215,18 @@ class AcceptanceAlarm:
         self.last: dict[str, float] = {}  # proposer → τ of its last complete window
         self._armed: dict[str, _Window] = {}
         self._version: int | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "last": dict(self.last),
+            "armed": {name: [w.drafts, w.accepted] for name, w in self._armed.items()},
+            "version": self._version,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.last = {str(k): float(v) for k, v in state["last"].items()}
+        self._armed = {str(k): _Window(int(d), int(a)) for k, (d, a) in state["armed"].items()}
+        self._version = state["version"]
 
     def arm(self, proposers: list[str], version: int) -> None:
         self._armed = {name: _Window() for name in proposers}

@@ -22,14 +22,18 @@ Life of a sequence, as a proposer sees it (all calls come from the engine thread
 4. ``release(seq)``: the sequence finished (its slot is reused); free per-sequence state.
 
 Between steps the engine may **move** running sequences to other slots (it keeps the occupied
-slots compact).  A proposer with per-slot state (a KV cache indexed by ``seq.slot``) implements
-``move(moves)``: for each ``(seq, new_slot)`` copy that state from ``seq.slot`` (still the old
-slot during the call) to ``new_slot``.  Proposers without per-slot state need no ``move``.
+slots compact): ``move(moves)`` copies, for each ``(seq, new_slot)``, any per-slot state (a KV
+cache indexed by ``seq.slot``, still the old slot during the call) to ``new_slot``.
 
 A proposer that defers work until it drafts (EAGLE-3 runs its step-0 pass over the positions
-committed since its last call only when it next drafts) implements ``backlog(batch) -> int``:
-the positions it has queued for those sequences.  The engine's gate charges that catch-up to
-the decision to draft again (:mod:`specrl.rollout.gating`); proposers without it have none.
+committed since its last call only when it next drafts) reports ``backlog(batch)``: the
+positions it has queued for those sequences; the gate prices drafting by them.
+
+Every hook is declared by :class:`Proposer`; :class:`ProposerBase` gives the optional ones
+their "nothing to do" behaviour (no per-slot state, no backlog, no compiled graphs, no stats, no
+state), so a simple drafter writes ``propose``, ``observe``, ``reset`` and ``release`` only.
+``state_dict()`` is the JSON-able state a resumed run needs to replay its drafts exactly (the
+n-gram history, EAGLE-3's temperature-scale bandit); the engine saves it with its own.
 
 A :class:`Draft` with ``probs=None`` is one-hot (the verifier then needs no q); otherwise
 ``probs[i]`` is the full-vocabulary distribution ``tokens[i]`` was sampled from, already
@@ -57,6 +61,7 @@ from specrl.rollout.types import Draft, SeqState
 __all__ = [
     "Draft",
     "Proposer",
+    "ProposerBase",
     "ProposerContext",
     "SeqState",
     "SupportsWeights",
@@ -86,10 +91,63 @@ class Proposer(Protocol):
 
     def release(self, seq: SeqState) -> None: ...
 
+    def move(self, moves: list[tuple[SeqState, int]]) -> None:
+        """Copy per-slot state of each ``seq`` (at ``seq.slot``) to its new slot."""
+        ...
+
+    def backlog(self, batch: list[SeqState]) -> int:
+        """Positions queued for ``batch`` that the next ``propose`` catches up first."""
+        ...
+
+    @property
+    def compiled_graphs(self) -> int:
+        """Graphs its own ``torch.compile`` passes compiled so far."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """The proposer's own state for ``RolloutEngine.stats()["drafters"]``."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state a resumed run needs (idle engine)."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+class ProposerBase:
+    """The optional :class:`Proposer` hooks, as a proposer without such state has them."""
+
+    name: str
+    tap_layers: tuple[int, ...] = ()
+
+    def move(self, moves: list[tuple[SeqState, int]]) -> None:
+        pass
+
+    def backlog(self, batch: list[SeqState]) -> int:
+        return 0
+
+    @property
+    def compiled_graphs(self) -> int:
+        return 0
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
 
 @runtime_checkable
 class SupportsWeights(Protocol):
-    """A proposer with trainable weights (e.g. an EAGLE-3 draft): ``update_weights(draft=…)``."""
+    """A proposer with trainable weights (e.g. an EAGLE-3 draft): ``update_weights(draft=…)``
+    validates the update with every such proposer's ``check_weights`` (raising
+    :class:`~specrl.errors.CheckpointError` on a mismatch) before any ``load_weights``."""
+
+    def check_weights(self, state: Mapping[str, torch.Tensor]) -> Any: ...
 
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None: ...
 

@@ -57,9 +57,15 @@ from specrl.errors import CheckpointError, ConfigError
 from specrl.models.decoder import CacheBatch
 from specrl.models.draft import Eagle3Draft
 from specrl.models.draft_io import check_compatible, load_draft
+from specrl.rollout.bandit import MEMORY, EpsilonGreedy, RunningMean
 from specrl.rollout.compiled import Compiled
-from specrl.rollout.gating import ARM_MEMORY, EpsilonGreedy, RunningMean
-from specrl.rollout.proposers import Draft, ProposerContext, SeqState, register_proposer
+from specrl.rollout.proposers import (
+    Draft,
+    ProposerBase,
+    ProposerContext,
+    SeqState,
+    register_proposer,
+)
 from specrl.rollout.weights import apply_update, check_vocab_map, plan_update
 
 
@@ -101,10 +107,10 @@ SCALES = (1.0, 0.5, 0.25, 0.1)
 class TemperatureScale:
     """The draft temperature scale s of each drafting round: fixed, or learned ("auto").
 
-    Learned: an ε-greedy bandit (:class:`specrl.rollout.gating.EpsilonGreedy`: each scale first
+    Learned: an ε-greedy bandit (:class:`specrl.rollout.bandit.EpsilonGreedy`: each scale first
     gets ``min_samples`` rounds, then exploration whose expected cost is bounded) over
     :data:`SCALES`, valued by each scale's running mean of accepted / drafted tokens over the
-    sampled drafts verified under it (an EMA after :data:`ARM_MEMORY` drafts: the policy and
+    sampled drafts verified under it (an EMA after :data:`MEMORY` drafts: the policy and
     the draft drift).  The chain length k is chosen by the engine independently of s, so the
     scales' means compare like with like.
     """
@@ -120,7 +126,7 @@ class TemperatureScale:
                 hint="temperature_scale: auto (learned), 1 (the draft's own q), or e.g. 0.25",
             )
         self.bandit = EpsilonGreedy(SCALES, epsilon, seed)  # type: ignore[arg-type]
-        self.acceptance = {s: RunningMean(1.0 / ARM_MEMORY) for s in SCALES}
+        self.acceptance = {s: RunningMean(1.0 / MEMORY) for s in SCALES}
         self.chosen = {s: 0 for s in SCALES}  # learned: rounds that drafted sampled tokens
 
     def pick(self) -> float:
@@ -141,6 +147,19 @@ class TemperatureScale:
         if mean is not None:
             mean.add(accepted / drafted)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "bandit": self.bandit.state_dict(),
+            "scales": [[s, m.state_dict(), self.chosen[s]] for s, m in self.acceptance.items()],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.bandit.load_state_dict(state["bandit"])
+        for scale, mean, chosen in state["scales"]:
+            if float(scale) in self.acceptance:
+                self.acceptance[float(scale)].load_state_dict(mean)
+                self.chosen[float(scale)] = int(chosen)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "mode": "auto" if self.fixed is None else "fixed",
@@ -151,9 +170,8 @@ class TemperatureScale:
         }
 
 
-class Eagle3Proposer:
+class Eagle3Proposer(ProposerBase):
     name = "eagle3"
-    state_attrs = ("temperature_scale",)  # persisted by RolloutEngine.state_dict
 
     def __init__(
         self,
@@ -190,6 +208,12 @@ class Eagle3Proposer:
     def stats(self) -> dict[str, Any]:
         """The draft temperature scale: mode, and per scale its rounds, drafts, acceptance."""
         return {"temperature_scale": self.temperature_scale.to_dict()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"temperature_scale": self.temperature_scale.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.temperature_scale.load_state_dict(state["temperature_scale"])
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self, seq: SeqState) -> None:

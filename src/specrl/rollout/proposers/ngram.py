@@ -21,11 +21,19 @@ extended backwards up to ``max_n`` by direct comparison, so memory is one entry 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from specrl.rollout.proposers import Draft, ProposerContext, SeqState, register_proposer
+from specrl.rollout.proposers import (
+    Draft,
+    ProposerBase,
+    ProposerContext,
+    SeqState,
+    register_proposer,
+)
 
 
 class _TokenIndex:
@@ -60,12 +68,10 @@ class _Live:
     key: tuple[int, ...]  # the prompt
 
 
-class NgramProposer:
+class NgramProposer(ProposerBase):
     """Longest-suffix-match drafts over own context, siblings and per-prompt history."""
 
     name = "ngram"
-    tap_layers: tuple[int, ...] = ()
-    state_attrs = ("_history",)  # persisted by RolloutEngine.state_dict (resumable runs)
     # propose only reads the indexes and the sequence's tokens: decoupled drafting may call it
     # on shadow sequences carrying drafts not yet verified (specrl.rollout.decoupled)
     ahead_safe = True
@@ -125,6 +131,23 @@ class NgramProposer:
         committed: list[int],
     ) -> None:
         """Nothing to do: the indexes read the sequences' token lists lazily."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The history of finished responses (per prompt, oldest first; prompts LRU order):
+        what a resumed run needs to draft as the interrupted one would have."""
+        return {
+            "history": [
+                [list(key), [list(idx.tokens) for idx in responses]]
+                for key, responses in self._history.items()
+            ]
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._history = OrderedDict()
+        for key, responses in state["history"]:
+            hist = deque(maxlen=self.history_per_prompt)
+            hist.extend(_TokenIndex([int(t) for t in toks], self.min_n) for toks in responses)
+            self._history[tuple(int(t) for t in key)] = hist
 
     # ------------------------------------------------------------------ drafting
     def propose(self, batch: list[SeqState], ks: list[int]) -> list[Draft]:
