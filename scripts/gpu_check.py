@@ -12,7 +12,8 @@ order, each in its own process with its own time limit:
 
 - ``env``: versions, the device, which optional backends import (``specrl env``'s report);
 - ``kernels``: ``pytest tests/gpu`` (flex / flash-attn block kernels against the torch kernel
-  at bf16 tolerances; the ring with 2 CP processes on one device, NCCL or gloo);
+  at bf16 tolerances; the ring with 2 CP processes on one device, NCCL or gloo; the engine's
+  greedy decoding on CUDA against the CPU reference);
 - ``rollout``: the embedded engine, plain against best-of-N at batch 1 / 8 / 64, on a
   real-size random-init target whose drafts are accepted at a measured per-position profile,
   replayed losslessly (:mod:`gpu_check_rollout`);
