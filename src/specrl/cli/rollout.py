@@ -21,7 +21,16 @@ from typing import Annotated, Any, Optional
 import typer
 
 from specrl.cli.common import progress_bar
-from specrl.cli.ui import JsonOpt, OverwriteOpt, emit_json, err, kv_table, out, want_json
+from specrl.cli.ui import (
+    JsonOpt,
+    OverwriteOpt,
+    emit_json,
+    err,
+    finite,
+    kv_table,
+    out,
+    want_json,
+)
 
 app = typer.Typer(
     help="Speculative rollouts: generate for a prompt file, or serve over HTTP.",
@@ -94,7 +103,8 @@ def read_prompts(path: Path) -> list[tuple[int, dict[str, Any]]]:
     from specrl.errors import DataError
 
     if not path.is_file():
-        raise DataError(f"prompt file '{path}' does not exist")
+        what = "is not a regular file" if path.exists() else "does not exist"
+        raise DataError(f"prompt file '{path}' {what}")
     records = []
     for lineno, line in text_lines(path):
         if not line.strip():
@@ -143,8 +153,12 @@ def rollout_command(
     ] = None,
     n: Annotated[int, typer.Option("--n", min=1, help="Samples per prompt.")] = 1,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens per sample.")] = 64,
-    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 1.0,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus mass in (0, 1].")] = 1.0,
+    temperature: Annotated[
+        float, typer.Option("--temperature", min=0.0, callback=finite, help="0 = greedy.")
+    ] = 1.0,
+    top_p: Annotated[
+        float, typer.Option("--top-p", callback=finite, help="Nucleus mass in (0, 1].")
+    ] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", min=0, help="0 = off.")] = 0,
     seed: SeedOpt = 0,
     proposers: ProposersOpt = "ngram",
