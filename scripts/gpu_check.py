@@ -441,9 +441,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for every result")
     ap.add_argument("--budget-s", type=float, default=600.0, help="total seconds (default 600)")
-    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (a rehearsal)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="tiny shapes, on CPU unless --device cuda (a rehearsal)")  # fmt: skip
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                    help="cuda (default) or cpu; --dry-run implies cpu")  # fmt: skip
+                    help="cuda (default) or cpu (tiny shapes); --dry-run alone: cpu")  # fmt: skip
     ap.add_argument("--only", default="", help="comma-separated checks: " + ", ".join(BY_NAME))
     ap.add_argument("--wheels", type=Path, default=None,
                     help="install the .whl files in this folder first (--no-index)")  # fmt: skip
