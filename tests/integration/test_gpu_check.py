@@ -39,7 +39,7 @@ def _numbers(figures: dict) -> None:
 def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, Path]:
     base = tmp_path_factory.mktemp("gpu-check")
     out, tgz = base / "out", base / "gpu_check.tgz"
-    proc = _run("--out", str(out), "--dry-run", "--archive", str(tgz))
+    proc = _run("--out", str(out), "--dry-run", "--archive", str(tgz), timeout=660)
     return proc, out, tgz
 
 

@@ -69,6 +69,13 @@ def test_single_process_run(first_run):
             f"{p}/k={k}" for p in ("eagle3", "ngram") for k in (1, 2, 3)
         }
     assert any(r["tau"] is not None for r in recs)
+    # the rollout wave: response-length quantiles, the live batch per engine step
+    for r in recs:
+        assert r["response_len_p50"] <= r["response_len_p90"] <= r["response_len_max"]
+        live = [size for size, drafting, repeats in r["live_batch"] for _ in range(repeats)]
+        drafting = [d for _, d, repeats in r["live_batch"] for _ in range(repeats)]
+        assert live[0] > 0 and all(0 <= d <= n for n, d in zip(live, drafting, strict=True))
+    assert (run / "rollout_wave.png").stat().st_size > 0
     # draft warm-up (default 10 updates, 2 per step here): the learning rate ramps up to draft.lr
     lrs = [r["draft_lr"] for r in recs]
     assert lrs == sorted(set(lrs)) and lrs[0] > 0 and lrs[-1] <= 1e-4  # strictly increasing
