@@ -197,6 +197,7 @@ def test_resume_falls_back_past_a_truncated_checkpoint(first_run, reference_run)
     assert resumed.returncode == 0, resumed.stderr
     assert "checkpoint step-000004 is unusable" in resumed.stderr
     assert "resuming from step-000002 instead" in resumed.stderr
+    assert f"run directory: {run.resolve()}" in resumed.stderr  # where relative paths led
     assert _no_timing(_records(run)) == _no_timing(_records(reference_run))
 
 

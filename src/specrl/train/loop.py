@@ -484,7 +484,8 @@ class RLTrainer:
 
         Metrics are appended to ``metrics.jsonl``, checkpoints saved on schedule and on
         SIGTERM/SIGINT (then :class:`Interrupted` is raised).  Several trainers can be stepped
-        alternately (benchmarks interleave runs so machine noise hits them alike).
+        alternately (benchmarks interleave runs so machine noise hits them alike).  The run
+        directory's lock is released when the steps end, fail or are abandoned.
         """
         tr = self.recipe.train
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -525,6 +526,9 @@ class RLTrainer:
                         hint="continue with: specrl train <recipe> --resume",
                     )
                 yield rec
+        except BaseException:  # a failed, interrupted or abandoned run frees its directory too
+            self.close()
+            raise
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
