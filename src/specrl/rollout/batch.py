@@ -18,7 +18,15 @@ from specrl.rollout.gating import Arm
 from specrl.rollout.sampling import RowParams, SamplingParams
 from specrl.rollout.types import Draft, SeqState
 
-__all__ = ["BatchBuilder", "Launch", "plan_prefill", "read_back"]
+__all__ = [
+    "BatchBuilder",
+    "Launch",
+    "checked_draft",
+    "committed_taps",
+    "plan_prefill",
+    "read_back",
+    "shared_prefix",
+]
 
 
 @dataclass
@@ -281,3 +289,50 @@ def read_back(launches: list[Launch]) -> list[dict[str, list]]:
             }
         )
     return out
+
+
+def checked_draft(name: str, draft: Draft, cap: int, vocab_size: int) -> Draft:
+    """A proposer's draft cut to ``cap`` tokens, with its ids and q shape validated."""
+    tokens = [int(t) for t in draft.tokens[:cap]]
+    if any(not 0 <= t < vocab_size for t in tokens):
+        raise RuntimeError(f"proposer {name!r} drafted a token outside the vocabulary")
+    probs = draft.probs
+    if probs is not None:
+        if probs.dim() != 2 or probs.shape[1] != vocab_size or probs.shape[0] < len(tokens):
+            raise RuntimeError(
+                f"proposer {name!r}: draft probs must be [k, {vocab_size}], "
+                f"got {tuple(probs.shape)}"
+            )
+        probs = probs[: len(tokens)]
+    return Draft(tokens, probs)
+
+
+def committed_taps(
+    launch: Launch, committed: list[int], tap_layers: tuple[int, ...]
+) -> dict[int, torch.Tensor] | None:
+    """Tap rows of the committed positions, sequences in batch order; [Σ committed, H]."""
+    if not tap_layers:
+        return None
+    taps = launch.out["taps"]
+    if not launch.prefill and sum(committed) == next(iter(taps.values())).shape[0]:
+        return taps  # each sequence kept every row it fed (a plain step): no gather
+    starts = [launch.input_starts[f] for f in launch.feeder]
+    rows = [r for start, n in zip(starts, committed, strict=True) for r in range(start, start + n)]
+    if rows == list(range(next(iter(taps.values())).shape[0])):
+        return taps  # every fed row kept, in order: no gather
+    index = torch.tensor(rows, dtype=torch.int64, device=next(iter(taps.values())).device)
+    return {layer: h.index_select(0, index) for layer, h in taps.items()}
+
+
+def shared_prefix(launch: Launch) -> tuple[list[int], list[int], int] | None:
+    """(leader slots, sample slots, rows) of a prefill whose requests have several samples:
+    the leader's prompt K/V each other sample's slot gets a copy of (None: nothing to copy)."""
+    pairs = [
+        (launch.fed[f].slot, s.slot)
+        for s, f in zip(launch.seqs, launch.feeder, strict=True)
+        if launch.fed[f] is not s
+    ]
+    if not pairs:
+        return None
+    rows = max(len(s.tokens) for s in launch.seqs)
+    return [a for a, _ in pairs], [b for _, b in pairs], rows

@@ -61,7 +61,15 @@ from specrl.config.schema import SpeculationConfig
 from specrl.errors import CheckpointError, ConfigError
 from specrl.models.decoder import CacheBatch, Transformer
 from specrl.models.tokenizer import TextCodec
-from specrl.rollout.batch import BatchBuilder, Launch, plan_prefill, read_back
+from specrl.rollout.batch import (
+    BatchBuilder,
+    Launch,
+    checked_draft,
+    committed_taps,
+    plan_prefill,
+    read_back,
+    shared_prefix,
+)
 from specrl.rollout.compiled import Compiled, CompiledDecode
 from specrl.rollout.decoupled import DrafterError, DraftWorker, Lookahead, ModeChoice
 from specrl.rollout.gating import SpecController
@@ -426,7 +434,7 @@ class RolloutEngine:
                         f"proposer {name!r} returned {len(got)} drafts for {len(idx)}"
                     )
                 for b, draft in zip(idx, got, strict=True):
-                    drafts[b] = self._checked(name, draft, caps[b])
+                    drafts[b] = checked_draft(name, draft, caps[b], self.vocab_size)
                 want = [caps[b] for b in idx]
                 draft_calls.append((name, sum(want), max(want), spent, queued))
         return Launch(
@@ -454,7 +462,7 @@ class RolloutEngine:
             if ahead is None:
                 rest.append(b)
             else:
-                drafts[b] = self._checked(name, ahead, caps[b])
+                drafts[b] = checked_draft(name, ahead, caps[b], self.vocab_size)
         return rest
 
     def _mode(self, decode: Launch) -> str | None:
@@ -489,25 +497,6 @@ class RolloutEngine:
         self.abort(sorted(held))
         log.warning("%s; later requests draft coupled (decoupled drafting is off)", exc)
 
-    def _checked(self, name: str, draft: Draft, cap: int) -> Draft:
-        """A proposer's draft cut to ``cap`` tokens, with its ids and q shape validated."""
-        tokens = [int(t) for t in draft.tokens[:cap]]
-        if any(not 0 <= t < self.vocab_size for t in tokens):
-            raise RuntimeError(f"proposer {name!r} drafted a token outside the vocabulary")
-        probs = draft.probs
-        if probs is not None:
-            if (
-                probs.dim() != 2
-                or probs.shape[1] != self.vocab_size
-                or probs.shape[0] < len(tokens)
-            ):
-                raise RuntimeError(
-                    f"proposer {name!r}: draft probs must be [k, {self.vocab_size}], "
-                    f"got {tuple(probs.shape)}"
-                )
-            probs = probs[: len(tokens)]
-        return Draft(tokens, probs)
-
     def _run(self, launch: Launch) -> None:
         """The target forward and on-device verification (no host sync)."""
         t = launch.tensors
@@ -533,7 +522,9 @@ class RolloutEngine:
                 fused=self.fused,
             )
         if launch.prefill:
-            self._share_prefix_kv(launch)
+            copies = shared_prefix(launch)
+            if copies is not None:
+                self.cache.copy_slots(*copies)
             for c in self._counting():
                 c.prefill_forwards += 1
         else:
@@ -560,17 +551,6 @@ class RolloutEngine:
             "policy_logprobs": policy_lp,  # [B, K+1]
             "taps": out.taps,  # layer → [T, H]
         }
-
-    def _share_prefix_kv(self, launch: Launch) -> None:
-        """Copy each leader's prompt K/V into the slots of the request's other samples."""
-        pairs = [
-            (launch.fed[f].slot, s.slot)
-            for s, f in zip(launch.seqs, launch.feeder, strict=True)
-            if launch.fed[f] is not s
-        ]
-        if pairs:
-            rows = max(len(s.tokens) for s in launch.seqs)
-            self.cache.copy_slots([a for a, _ in pairs], [b for _, b in pairs], rows)
 
     # ---------------------------------------------------------------------- bookkeeping
     def _apply(self, launch: Launch, host: dict[str, list]) -> list[Result]:
@@ -608,28 +588,10 @@ class RolloutEngine:
             committed.append(seq.prompt_len if launch.prefill else appended)
             seq.kv_len += committed[-1]
         if self.proposers:
-            taps = self._committed_taps(launch, committed)
+            taps = committed_taps(launch, committed, self.tap_layers)
             for p in self.proposers.values():
                 p.observe(launch.seqs, accepted_all, taps, committed)
         return [self._finish(s) for s in launch.seqs if s.finish_reason is not None]
-
-    def _committed_taps(
-        self, launch: Launch, committed: list[int]
-    ) -> dict[int, torch.Tensor] | None:
-        """Tap rows of the committed positions, sequences in batch order; [Σ committed, H]."""
-        if not self.tap_layers:
-            return None
-        taps = launch.out["taps"]
-        if not launch.prefill and sum(committed) == next(iter(taps.values())).shape[0]:
-            return taps  # each sequence kept every row it fed (a plain step): no gather
-        starts = [launch.input_starts[f] for f in launch.feeder]
-        rows = [
-            r for start, n in zip(starts, committed, strict=True) for r in range(start, start + n)
-        ]
-        if rows == list(range(next(iter(taps.values())).shape[0])):
-            return taps  # every fed row kept, in order: no gather
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        return {layer: h.index_select(0, index) for layer, h in taps.items()}
 
     def _finish(self, seq: SeqState) -> Result:
         self.scheduler.release(seq)
