@@ -13,6 +13,13 @@ size B (concurrent requests), every variant decodes the same prompts with the sa
   engines with ``RolloutEngine(compile=True)`` (the decode step under ``torch.compile``,
   :mod:`specrl.rollout.compiled`; EAGLE-3's drafting passes too), compiled before the warm-up
   runs;
+- with ``--decoupled``, also ``specrl decoupled best-of-N``: best-of-N with decoupled drafting
+  (:mod:`specrl.rollout.decoupled`: a drafter thread drafts step t + 1 while the target verifies
+  step t).  It needs ``--clock wall`` (its drafting runs on another thread, which a thread CPU
+  clock would not count).  With ``--threads N ≥ 2`` every other variant decodes with N torch
+  threads and the decoupled one with N − 1 for the target and 1 for the drafter (plain decoding
+  gets all the cores the decoupled engine uses); with ``--threads 1`` the decoupled engine has
+  its drafter thread on top (one core more than the others: say so with the figures);
 - ``hf plain``: ``model.generate`` (greedy, or ``do_sample`` at T = 1 with top-k/top-p off);
 - ``hf prompt lookup``: assisted generation with ``prompt_lookup_num_tokens``; ``transformers``
   allows it at batch size 1 only ("assisted generate is only supported for batch_size = 1"), so
@@ -44,6 +51,7 @@ Greedy outputs are checked: every specrl variant must reproduce specrl plain tok
     python benchmarks/rollout.py --target runs/toy/target --draft runs/toy/draft
     python benchmarks/rollout.py --quick          # B = 1, 8, sampled only, 1 repeat
     python benchmarks/rollout.py --compile        # plus the compiled plain and best-of-N
+    python benchmarks/rollout.py --decoupled --clock wall --threads 2 --batches 1,4,8,32
 
 Writes ``benchmarks/results/rollout.json`` and prints a Rich table plus the issue's targets.
 """
@@ -76,6 +84,7 @@ MAX_K = 8  # the bandit chooses k in 1 … 8
 WARMUP = 2  # warm-up rounds per (mode, B) on other prompts
 SPECRL = ("specrl plain", "specrl ngram", "specrl eagle3", "specrl best-of-N")
 COMPILED = ("specrl plain compiled", "specrl best-of-N compiled")
+DECOUPLED = "specrl decoupled best-of-N"
 HF = ("hf plain", "hf prompt lookup")
 COLUMNS = (
     "mode", "batch", "variant", "tok_s", "vs_plain", "vs_hf", "tau", "acceptance",
@@ -83,7 +92,9 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def spec_configs(draft: Path, compiled: bool, max_k: int = MAX_K) -> dict[str, SpecConfig | None]:
+def spec_configs(
+    draft: Path, compiled: bool, max_k: int = MAX_K, decoupled: bool = False
+) -> dict[str, SpecConfig | None]:
     """The specrl variants' speculation settings (names ending in "compiled" compile)."""
     eagle = {"eagle3": {"path": str(draft)}}
     best = SpecConfig(("eagle3", "ngram"), max_k=max_k, proposer_options=eagle)
@@ -95,6 +106,10 @@ def spec_configs(draft: Path, compiled: bool, max_k: int = MAX_K) -> dict[str, S
     }
     if compiled:
         specs.update(zip(COMPILED, (None, best), strict=True))
+    if decoupled:
+        specs[DECOUPLED] = SpecConfig(
+            ("eagle3", "ngram"), max_k=max_k, proposer_options=eagle, decoupled=True
+        )
     return specs
 
 
@@ -173,6 +188,7 @@ class Setup:
     max_tokens: int
     lookup: int  # prompt_lookup_num_tokens
     clock: Callable[[], float]
+    threads: int = 1  # torch threads of every variant; the decoupled one's target gets one less
 
     @property
     def greedy(self) -> bool:
@@ -185,13 +201,17 @@ def run_variant(
 ) -> list[list[int]] | None:  # fmt: skip
     """Generated tokens per prompt (None: the variant does not support this batch size)."""
     if name == "hf plain":
+        torch.set_num_threads(setup.threads)
         return setup.hf.generate(prompts, batch, setup.greedy, setup.max_tokens, seed)
     if name == "hf prompt lookup":
         if batch > 1:
             return None  # transformers: assisted generation needs batch size 1
+        torch.set_num_threads(setup.threads)
         return setup.hf.generate(
             prompts, batch, setup.greedy, setup.max_tokens, seed, lookup=setup.lookup
         )
+    # the decoupled engine's drafter thread takes one of the cores (it sets its own threads)
+    torch.set_num_threads(max(setup.threads - 1, 1) if name == DECOUPLED else setup.threads)
     temperature = 0.0 if setup.greedy else 1.0
     reqs = [
         Request(p, SamplingParams(setup.max_tokens, temperature, seed=seed * 1000 + i))
@@ -270,12 +290,13 @@ def summarize(mode: str, batch: int, name: str, runs: list[dict], plain: list[di
 def run_mode(
     mode: str, batches: list[int], repeats: int, max_tokens: int, target: Path, draft: Path,
     lookup: int, clock: Callable[[], float], compiled: bool, max_k: int = MAX_K,
+    decoupled: bool = False, threads: int = 1,
 ) -> list[dict]:  # fmt: skip
     model = load_model(target).eval()
     codec = TextCodec.from_checkpoint(target, model.config)
     hf = HFRunner(target, codec.eos_id, model.config.pad_token_id or 0)
-    specs = spec_configs(draft, compiled, max_k)
-    setup = Setup(mode, model, codec, hf, specs, max_tokens, lookup, clock)
+    specs = spec_configs(draft, compiled, max_k, decoupled)
+    setup = Setup(mode, model, codec, hf, specs, max_tokens, lookup, clock, threads)
     rows = []
     for batch in batches:
         samples = measure_batch(setup, batch, repeats)
@@ -316,6 +337,14 @@ def targets(rows: list[dict]) -> list[dict]:
                     bon = get[b][f"specrl best-of-N{suffix}"]
                     ratio = paired_ratio(bon, get[b][f"specrl plain{suffix}"])
                     add(mode, f"best-of-N{suffix} / plain{suffix} at B={b}", ratio, need)
+        if (mode, batches[0], DECOUPLED) in runs:
+            for b in batches:
+                dec = runs[mode, b, DECOUPLED]
+                if b == 1:
+                    ratio = paired_ratio(dec, runs[mode, b, "specrl best-of-N"])
+                    add(mode, f"decoupled / serial best-of-N at B={b}", ratio, 1.3)
+                ratio = paired_ratio(dec, runs[mode, b, "specrl plain"])
+                add(mode, f"decoupled best-of-N / plain at B={b}", ratio, 1.0)
         for b in batches:
             # the best single proposer by median throughput, then paired with best-of-N
             single = max(("specrl ngram", "specrl eagle3"), key=lambda v: tps[mode, b, v])
@@ -355,7 +384,14 @@ def main() -> None:
     ap.add_argument(
         "--compile", action="store_true", help="add compiled plain and best-of-N engines"
     )
+    ap.add_argument(
+        "--decoupled",
+        action="store_true",
+        help="add decoupled best-of-N (needs --clock wall)",
+    )
     args = ap.parse_args()
+    if args.decoupled and args.clock != "wall":
+        ap.error("--decoupled needs --clock wall (its drafter runs on a thread of its own)")
     if args.max_k < 1:
         ap.error(f"--max-k must be ≥ 1, got {args.max_k}")
     if args.lookup is None:
@@ -371,7 +407,7 @@ def main() -> None:
     for mode in modes:
         rows += run_mode(
             mode, batches, repeats, args.max_tokens, args.target, args.draft, args.lookup, clock,
-            args.compile, args.max_k,
+            args.compile, args.max_k, args.decoupled, args.threads,
         )  # fmt: skip
     add_ratios(rows)
     checks = targets(rows)
@@ -388,6 +424,11 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "max_k": args.max_k,
         "compile": args.compile,
+        "decoupled": args.decoupled,
+        "threads": {
+            "plain, serial, hf": args.threads,
+            "decoupled": {"target": max(args.threads - 1, 1), "drafter": 1},
+        },
         "prompt_lookup_num_tokens": args.lookup,
         "transformers": transformers.__version__,
     }

@@ -16,11 +16,13 @@ random-init target; the check therefore replays a *measured* acceptance profile,
   j tokens were all accepted; α_j = a_j / a_{j−1}).  The measured per-position acceptance is
   reported next to the replayed one, which proves the replay.
 
-Per batch size B (1, 8, 64), ``specrl plain`` and ``specrl best-of-N`` (the bandit over
-``eagle3_replay`` and ``ngram``, k ≤ 4, behind the batch-size gate) decode B random prompts at
+Per batch size B (1, 8, 64), ``specrl plain``, ``specrl eagle3`` (``eagle3_replay`` alone) and
+``specrl best-of-N`` (the bandit over ``eagle3_replay`` and ``ngram``; k ≤ 4 and the batch-size
+gate for both) decode B random prompts at
 temperature 1, after a warm-up round on other prompts, in rounds whose order rotates
-(``benchmarks/harness.py``'s ``interleave``); the speedup is the median over rounds of
-best-of-N's tokens/s over plain's in the same round (``harness.paired_ratio``).
+(``benchmarks/harness.py``'s ``interleave``); the speedups are medians over rounds of a
+variant's tokens/s over plain's (or best-of-N's over eagle3's) in the same round
+(``harness.paired_ratio``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ PROFILE = REPO / "benchmarks" / "results" / "studies" / "draft_temperature.json"
 PROFILE_ROW = {"target": "runs/toy/target", "scale": "auto"}
 MAX_K = 4  # the profile's drafts were at most 4 long
 COLUMNS = ["batch", "variant", "tok/s", "vs plain", "τ", "acceptance", "replay per position",
-           "spec step share", "selections"]  # fmt: skip
+           "spec step share (warm-up incl.)", "selections"]  # fmt: skip
 
 
 def conditional_profile(per_position: list[float]) -> list[float]:
@@ -82,6 +84,8 @@ class ReplayProposer(Eagle3Proposer):
         return super().propose(batch, ks)
 
     def _draw(self, logits, temps, u, greedy, sampled, any_greedy=True):
+        if any_greedy:  # greedy verification ignores q: there is no rate to replay
+            raise ValueError("eagle3_replay replays sampled acceptance: requests need T > 0")
         super()._draw(logits, temps, u, greedy, sampled, any_greedy)  # the real draw's cost
         m = self.sizes[min(self._step, len(self.sizes) - 1)]
         self._step += 1
@@ -160,6 +164,7 @@ def run(ctx: Ctx) -> dict[str, Any]:
     options = {"eagle3_replay": {"draft": draft, "alphas": alphas}}
     specs = {
         "specrl plain": None,
+        "specrl eagle3": SpecConfig(("eagle3_replay",), max_k=MAX_K, proposer_options=options),
         "specrl best-of-N": SpecConfig(("eagle3_replay", "ngram"), max_k=MAX_K,
                                        proposer_options=options),
     }  # fmt: skip
@@ -182,29 +187,34 @@ def run(ctx: Ctx) -> dict[str, Any]:
 
         runs = harness.interleave(list(engines), rounds, run_variant, warmup=1)
         tps = {n: [x["tokens"] / x["seconds"] for x in rs] for n, rs in runs.items()}
-        speedup = harness.paired_ratio(tps["specrl best-of-N"], tps["specrl plain"])
-        stats = [x["stats"] for x in runs["specrl best-of-N"]]
-        spec = _sum_spec([x["spec"] for x in stats])
-        replay = _sum_spec([x["proposers"].get(ReplayProposer.name) for x in stats
-                            if ReplayProposer.name in x["proposers"]])  # fmt: skip
-        gating = engines["specrl best-of-N"].stats()["gating"]
-        steps = gating["spec_steps"] + gating["plain_steps"]
-        for name in engines:
-            is_spec = name != "specrl plain"
+        rows.append([b, "specrl plain", round(harness.median(tps["specrl plain"]), 1), 1.0,
+                     *[None] * (len(COLUMNS) - 4)])  # fmt: skip
+        for name in ("specrl eagle3", "specrl best-of-N"):
+            stats = [x["stats"] for x in runs[name]]
+            spec = _sum_spec([x["spec"] for x in stats])
+            replay = _sum_spec([x["proposers"][ReplayProposer.name] for x in stats
+                                if ReplayProposer.name in x["proposers"]])  # fmt: skip
+            gating = engines[name].stats()["gating"]  # the warm-up round included
+            steps = gating["spec_steps"] + gating["plain_steps"]
+            speedup = harness.paired_ratio(tps[name], tps["specrl plain"])
             rows.append([
-                b, name, round(harness.median(tps[name]), 1),
-                round(speedup, 3) if is_spec else 1.0,
-                spec["tau"] if is_spec else None,
-                spec["acceptance"] if is_spec else None,
-                replay["per_position"] if is_spec else None,
-                round(gating["spec_steps"] / steps, 2) if is_spec and steps else None,
-                json.dumps(_selections(stats)) if is_spec else None,
+                b, name, round(harness.median(tps[name]), 1), round(speedup, 3), spec["tau"],
+                spec["acceptance"], replay["per_position"],
+                round(gating["spec_steps"] / steps, 2) if steps else None,
+                json.dumps(_selections(stats)),
             ])  # fmt: skip
+            key = "best_of_n" if name == "specrl best-of-N" else "eagle3"
+            figures[f"b{b}_{key}_tok_s"] = round(harness.median(tps[name]), 1)
+            if name == "specrl best-of-N":
+                figures[f"b{b}_speedup"] = round(speedup, 3)
+                if spec["tau"] is not None:
+                    figures[f"b{b}_tau"] = spec["tau"]
+            else:
+                figures[f"b{b}_eagle3_speedup"] = round(speedup, 3)
         figures[f"b{b}_plain_tok_s"] = round(harness.median(tps["specrl plain"]), 1)
-        figures[f"b{b}_best_of_n_tok_s"] = round(harness.median(tps["specrl best-of-N"]), 1)
-        figures[f"b{b}_speedup"] = round(speedup, 3)
-        if spec["tau"] is not None:
-            figures[f"b{b}_tau"] = spec["tau"]
+        figures[f"b{b}_best_of_n_over_eagle3"] = round(
+            harness.paired_ratio(tps["specrl best-of-N"], tps["specrl eagle3"]), 3
+        )
         measured_pp[b] = replay["per_position"]
         ctx.partial(figures, [table("rollout (so far)", COLUMNS, rows)])
         del engines

@@ -10,10 +10,14 @@ decoder computes the one-process objective over all the samples (packed, SDPA at
   the two backends use different kernels (Megatron's baddbmm + softmax over padded [b, s] rows,
   fused QKV and fc1 GEMMs, vs SDPA over packed rows and separate projections) — float64 makes
   their agreement a sharp test (any layout or reduction error is ≫ 1e-10);
-- float32 (1F1B): agreement to 1e-5 relative in norm per tensor (same reason, float32 rounding);
+- float32 (1F1B): agreement to 1e-5 relative in norm per tensor (same reason, float32 rounding;
+  measured ≤ 2e-6), and **bit-identical** to Megatron's own one-process run of the same
+  microbatches (``forward_backward_no_pipelining``, in the test process): the pipeline changes
+  nothing but where each layer runs;
 - the silent traps: a config without the pipeline size builds every layer on every stage and is
   refused by ``check_stage_layers``; interleaving with ``batch_p2p_comm=True`` on gloo is refused
-  by ``check_schedule_config`` (the strategy's own config has it off).
+  by ``check_schedule_config`` (the strategy's own config has it off) — and, run anyway, is
+  shown to give a wrong loss and gradients (max gradient error ~1e2 here) with no error.
 
 Layouts: pp 2 × 1F1B, pp 2 × interleaved (2 virtual stages per rank), pp 2 × dp 2 (1F1B).
 
@@ -254,6 +258,7 @@ def run_case(case: Case, rank: int, world: int) -> dict:
         "names": sorted(grads),
         "layers": layers,
         "grads": grads,
+        "policy_loss": out.policy_loss,
     }
 
 
@@ -338,9 +343,38 @@ def trap_checks(rank: int, world: int) -> list[str]:
         check_schedule_config(
             convert.transformer_config(cfg, pp=2, vp=2, batch_p2p_comm=False), "gloo"
         )
+        failures += _batched_p2p_is_wrong(rank, world)
     finally:
         runtime.destroy()
     return failures
+
+
+def _batched_p2p_is_wrong(rank: int, world: int) -> list[str]:
+    """Why the refusal exists: the interleaved schedule run anyway with batch_p2p_comm=True on
+    gloo (the check bypassed) gives a wrong loss and wrong gradients, with no error; False is
+    exact (megatron-core 0.16.1 — if this starts passing, the trap is gone)."""
+    from specrl.integrations.megatron import convert
+    from specrl.integrations.megatron.strategy import MegatronStrategy
+
+    dims = ParallelDims(world_size=world, pp=2, virtual_stages=2)
+    layout = TrainLayout(dims, dims.build_groups(), rank)
+    policy = Transformer(model_config()).init_weights(0, std=0.3).double()
+    batch = samples(8, seed=3)
+    want_sums, want = reference(policy, batch)
+    strategy = MegatronStrategy(
+        policy, layout, OBJ, schedule="interleaved", num_microbatches=4, micro_batch_size=2,
+        seq_length=12,
+    )  # fmt: skip
+    strategy.tconfig.batch_p2p_comm = True  # what check_schedule_config refuses
+    out = strategy.forward_backward(batch, draft=None)
+    grads: dict[str, torch.Tensor] = {}
+    for c in strategy.chunks:
+        grads.update(convert.chunk_hf_state(c, policy.config, grads=True))
+    loss_err = abs(out.policy_loss - float(want_sums[0]))
+    grad_err = max(float((g - want[n]).abs().max()) for n, g in grads.items())
+    if max(loss_err, grad_err) < 1e-6:
+        return [f"rank {rank}: batch_p2p_comm=True was exact on gloo: the trap is gone"]
+    return []
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -352,9 +386,36 @@ def _worker(rank: int, world: int) -> dict:
         differ = sorted(n for n in a if n not in b or not torch.equal(a[n], b[n]))
         if differ or a.keys() != b.keys():
             traps.append(f"rank {rank}: policy grads {differ} differ with the draft")
-    for r in results:
-        del r["grads"]  # tensors stay in the worker
+    for case, r in zip(CASES[world], results, strict=True):
+        grads = r.pop("grads")  # tensors stay in the worker; float32 ones travel as lists
+        if case.dtype == torch.float32:
+            r["f32_grads"] = {n: g.tolist() for n, g in grads.items()}
     return {"results": results, "traps": traps}
+
+
+def megatron_one_process(case: Case) -> tuple[float, dict[str, torch.Tensor]]:
+    """Megatron's own one-process run (pp = 1, no pipelining) of the case's microbatches."""
+    from specrl.integrations.megatron import convert
+    from specrl.integrations.megatron.strategy import MegatronStrategy
+    from tests.distributed.megatron_util import one_process_group
+
+    with one_process_group():
+        dims = ParallelDims(world_size=1)
+        layout = TrainLayout(dims, dims.build_groups(), 0)
+        policy = Transformer(model_config()).init_weights(0, std=0.3).to(case.dtype)
+        batch = samples(8, seed=3)
+        strategy = MegatronStrategy(
+            policy,
+            layout,
+            OBJ,
+            schedule="1f1b",
+            num_microbatches=case.microbatches,
+            micro_batch_size=-(-len(batch) // case.microbatches),
+            seq_length=12,
+        )
+        out = strategy.forward_backward(batch, draft=None)
+        grads = convert.chunk_hf_state(strategy.chunks[0], policy.config, grads=True)
+    return out.policy_loss, grads
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
@@ -363,6 +424,17 @@ def test_megatron_schedules_match_native_one_process(world: int) -> None:
     failures = [f for r in per_rank for res in r["results"] for f in res["failures"]]
     failures += [f for r in per_rank for f in r["traps"]]
     assert not failures, "\n".join(failures)
+    for i, case in enumerate(CASES[world]):
+        if case.dtype != torch.float32:
+            continue
+        loss, want = megatron_one_process(case)
+        for r in per_rank:
+            assert r["results"][i]["policy_loss"] == loss, case
+            for name, g in r["results"][i]["f32_grads"].items():
+                got = torch.tensor(g, dtype=torch.float32)
+                assert torch.equal(got, want[name]), (
+                    f"{case}: {name} differs by {float((got - want[name]).abs().max())}"
+                )
     everything = set(Transformer(model_config()).state_dict())
     for i, case in enumerate(CASES[world]):
         covered = [set(r["results"][i]["names"]) for r in per_rank]

@@ -9,15 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from specrl.cli.app import main
-from specrl.models.checkpoint import load_model, save_model
-from specrl.models.decoder import Transformer
-from specrl.models.draft import DraftConfig, Eagle3Draft, build_vocab_map, init_draft_weights
-from specrl.models.draft_io import save_draft
-from specrl.models.presets import preset_config
-from specrl.models.tokenizer import char_tokenizer, special_ids
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
@@ -45,31 +38,13 @@ def test_example_prompts_are_addition_problems_with_their_answers():
         assert r["prompt"].endswith("=") and int(r["answer"]) == int(a) + int(b), r
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> tuple[Path, Path]:
-    """A tiny target with the toy tokenizer and a random EAGLE-3 draft for it."""
-    tok = char_tokenizer()
-    ids = special_ids(tok)
-    config = preset_config(
-        "toy-tiny", vocab_size=tok.get_vocab_size(), bos_token_id=ids["bos"],
-        eos_token_id=ids["eos"], pad_token_id=ids["pad"], max_position_embeddings=64,
-        num_hidden_layers=3,
-    )  # fmt: skip
-    root = tmp_path_factory.mktemp("examples")
-    save_model(Transformer(config).init_weights(1, std=0.2), root / "target", tokenizer=tok)
-    target = load_model(root / "target")
-    cfg = DraftConfig.for_target(target.config, draft_vocab_size=40, tap_layers=(0, 1, 2))
-    head = init_draft_weights(Eagle3Draft(cfg), 3, std=0.2)
-    head.set_vocab_map(build_vocab_map(torch.arange(target.config.vocab_size) % 7, 40))
-    head.refresh_embedding(target.model.embed_tokens.weight)
-    save_draft(head, root / "draft", target=target)
-    return root / "target", root / "draft"
-
-
-def test_readme_rollout_command_runs_on_the_example_prompts(pair, tmp_path, monkeypatch, capsys):
+def test_readme_rollout_command_runs_on_the_example_prompts(
+    tiny_pair, tmp_path, monkeypatch, capsys
+):
     argv = readme_rollout_command()
     assert argv[:2] == ["specrl", "rollout"]
-    swap = {"--target": str(pair[0]), "--draft": str(pair[1]), "--out": str(tmp_path / "o.jsonl")}
+    target, draft = tiny_pair
+    swap = {"--target": str(target), "--draft": str(draft), "--out": str(tmp_path / "o.jsonl")}
     for flag, value in swap.items():
         assert flag in argv, f"README's rollout command has no {flag}"
         argv[argv.index(flag) + 1] = value
@@ -85,4 +60,5 @@ def test_readme_rollout_command_runs_on_the_example_prompts(pair, tmp_path, monk
     assert summary["prompts"] == len(records)
     rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert {r["id"] for r in rows} == {r["id"] for r in records}
-    assert all(r["answer"] == next(x for x in records if x["id"] == r["id"])["answer"] for r in rows)
+    answers = {r["id"]: r["answer"] for r in records}
+    assert all(r["answer"] == answers[r["id"]] for r in rows)

@@ -39,7 +39,7 @@ def _numbers(figures: dict) -> None:
 def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, Path]:
     base = tmp_path_factory.mktemp("gpu-check")
     out, tgz = base / "out", base / "gpu_check.tgz"
-    proc = _run("--out", str(out), "--dry-run", "--archive", str(tgz))
+    proc = _run("--out", str(out), "--dry-run", "--archive", str(tgz), timeout=660)
     return proc, out, tgz
 
 
@@ -168,6 +168,9 @@ def test_replayed_acceptance_matches_the_profile() -> None:
         assert abs(hit / n - want) <= 4 * sd, (j, hit / n, want, n)
     # every token is still a sample of the uniform target: no id is drafted outside [0, V)
     assert all(0 <= t < cfg.vocab_size for r in res for t in r.tokens)
+    greedy = RolloutEngine(target, max_batch_size=2, spec=spec, seed=0, eos_token_ids=())
+    with pytest.raises(ValueError, match="requests need T > 0"):
+        greedy.generate([Request(prompts[0], SamplingParams(8, 0.0))])
 
 
 def test_rl_phase_clocks_synchronise_first(monkeypatch) -> None:
@@ -203,3 +206,33 @@ def test_a_check_past_its_limit_is_killed_and_reported(tmp_path) -> None:
     path.write_text(json.dumps(gpu_check.result("ok", figures={"a": 1})))
     assert gpu_check.outcome(0, path, partial, 10.0, "")["figures"] == {"a": 1}
     assert gpu_check.outcome(3, path, partial, 10.0, "")["status"] == "failed"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_run_without_cuda_says_so(tmp_path) -> None:
+    """The GPU run on a machine without CUDA: env fails (exit 1), the CUDA checks skip."""
+    out = tmp_path / "out"
+    proc = _run("--out", str(out), "--only", "env,profile", "--budget-s", "200")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    checks = {c["name"]: c for c in json.loads((out / "summary.json").read_text())["checks"]}
+    assert checks["env"]["status"] == "failed" and checks["env"]["reason"] == "no CUDA device"
+    assert checks["profile"]["status"] == "skipped"
+    assert "torch sees no CUDA device" in checks["profile"]["reason"]
+
+
+def test_device_wrapper_leaves_the_summary_and_archive_in_out(tmp_path) -> None:
+    """scripts/gpu_check.sh, the device machine's command: summary.md, summary.json and the
+    archive land in $OUT (a device machine returns a few files from there)."""
+    import os
+
+    dest, work = tmp_path / "OUT", tmp_path / "work"
+    dest.mkdir()
+    env = {**os.environ, "OUT": str(dest), "GPU_CHECK_OUT": str(work)}
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--only", "env"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in dest.iterdir()) == ["gpu_check.tgz", "summary.json", "summary.md"]
+    summary = json.loads((dest / "summary.json").read_text())
+    assert [c["name"] for c in summary["checks"]] == ["env"]

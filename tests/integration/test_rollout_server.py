@@ -310,6 +310,18 @@ def test_sigterm_finishes_in_flight_requests(tmp_path):
             except httpx.TransportError:
                 time.sleep(0.2)
 
+        # the served checkpoint's own directory is where weight files may come from by default
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        own = {"path": str(checkpoint / "model.safetensors"), "version": 5}
+        reloaded = httpx.post(f"{base}/v1/weights", json=own, headers=auth, timeout=60)
+        assert reloaded.status_code == 200 and reloaded.json()["policy_version"] == 5
+        elsewhere = {"path": str(tmp_path / "elsewhere.safetensors")}
+        (tmp_path / "elsewhere.safetensors").write_bytes(
+            (checkpoint / "model.safetensors").read_bytes()
+        )
+        refused = httpx.post(f"{base}/v1/weights", json=elsewhere, headers=auth, timeout=60)
+        assert refused.status_code == 400 and "--weights-dir" in refused.json()["error"]["message"]
+
         def call(i: int) -> httpx.Response:
             body = {"prompt": f"{i}+1=", "max_tokens": 500, "temperature": 0}
             return httpx.post(f"{base}/v1/completions", json=body, timeout=120)

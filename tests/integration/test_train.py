@@ -69,6 +69,13 @@ def test_single_process_run(first_run):
             f"{p}/k={k}" for p in ("eagle3", "ngram") for k in (1, 2, 3)
         }
     assert any(r["tau"] is not None for r in recs)
+    # the rollout wave: response-length quantiles, the live batch per engine step
+    for r in recs:
+        assert r["response_len_p50"] <= r["response_len_p90"] <= r["response_len_max"]
+        live = [size for size, drafting, repeats in r["live_batch"] for _ in range(repeats)]
+        drafting = [d for _, d, repeats in r["live_batch"] for _ in range(repeats)]
+        assert live[0] > 0 and all(0 <= d <= n for n, d in zip(live, drafting, strict=True))
+    assert (run / "rollout_wave.png").stat().st_size > 0
     # draft warm-up (default 10 updates, 2 per step here): the learning rate ramps up to draft.lr
     lrs = [r["draft_lr"] for r in recs]
     assert lrs == sorted(set(lrs)) and lrs[0] > 0 and lrs[-1] <= 1e-4  # strictly increasing
@@ -190,6 +197,7 @@ def test_resume_falls_back_past_a_truncated_checkpoint(first_run, reference_run)
     assert resumed.returncode == 0, resumed.stderr
     assert "checkpoint step-000004 is unusable" in resumed.stderr
     assert "resuming from step-000002 instead" in resumed.stderr
+    assert f"run directory: {run.resolve()}" in resumed.stderr  # where relative paths led
     assert _no_timing(_records(run)) == _no_timing(_records(reference_run))
 
 

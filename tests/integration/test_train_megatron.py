@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.core", reason="pip install 'specrl[megatron]'")
 
@@ -57,6 +58,9 @@ def test_megatron_pp2_train_checkpoint_and_resume(tmp_path):
         f"draft.path={tmp_path / 'draft'}",
     ]
     run = tmp_path / "run"
+    # weight decay moves every policy weight each step even where the toy rewards give no
+    # gradient: the checkpoints show every stage's weights reached the rollout rank
+    sets += ["--set", "algo.weight_decay=0.5"]
     proc = _torchrun(*sets, "--set", f"run.out_dir={run}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = _records(run)
@@ -69,6 +73,13 @@ def test_megatron_pp2_train_checkpoint_and_resume(tmp_path):
     for step in ("step-000002", "step-000004"):
         files = {p.name for p in (run / "checkpoints" / step).iterdir()}
         assert {"policy", "draft", "rank0.safetensors", "rank1.safetensors"} <= files
+    from specrl.models.checkpoint import load_model
+
+    start = load_model(tmp_path / "target").state_dict()
+    trained = load_model(run / "checkpoints" / "step-000004" / "policy").state_dict()
+    assert trained.keys() == start.keys()
+    unchanged = [k for k in start if torch.equal(start[k], trained[k])]
+    assert not unchanged, f"not trained or not gathered from their stage: {unchanged}"
 
     # the run as if stopped after its step-2 checkpoint, then resumed: the same metrics
     resumed = tmp_path / "resumed"

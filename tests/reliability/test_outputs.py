@@ -251,6 +251,7 @@ def test_rollout_bad_text_is_one_line(target, tmp_path, cli):
     assert_one_line_error(cli(*base, "--prompts", bad), f"{bad}:2: not UTF-8")
     lone = _prompts(tmp_path / "lone.jsonl", '{"prompt": "a\\ud800b"}')
     assert_one_line_error(cli(*base, "--prompts", lone), f"{lone}:1: field 'prompt'", "surrogate")
+    assert_one_line_error(cli(*base, "--prompts", tmp_path), "is not a regular file")
     assert not (tmp_path / "o.jsonl").exists()
 
 
@@ -298,3 +299,15 @@ def test_train_never_wipes_a_foreign_policy_path(tmp_path, cli):
         f"run.out_dir={tmp_path / 'run'}",
     ]
     assert_one_line_error(cli("train", TINY, *same), "draft.path", "is an input")
+
+
+def test_stale_file_temporaries_of_dead_writers_are_cleaned(tmp_path):
+    out = tmp_path / "out.jsonl"
+    dead = tmp_path / ".out.jsonl.tmp-abcd-999999999"
+    mine_running = tmp_path / f".out.jsonl.tmp-efgh-{os.getppid()}"  # a live process's
+    foreign = tmp_path / ".out.jsonl.tmp-notes"  # no pid: not specrl's to delete
+    for f in (dead, mine_running, foreign):
+        f.write_text("partial")
+    fsio.atomic_write_text(out, "new\n")
+    assert out.read_text() == "new\n"
+    assert not dead.exists() and mine_running.exists() and foreign.exists()

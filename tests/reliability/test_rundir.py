@@ -185,3 +185,49 @@ def test_every_checkpoint_unusable_is_one_error(tmp_path):
     with pytest.raises(CheckpointError, match="no usable checkpoint"):
         ckpt.resume_point(run, 1)
     assert ckpt.resume_point(tmp_path / "fresh", 1) == (None, [])
+
+
+def test_a_trainer_holds_its_run_dir_until_its_steps_end(target, draft, tmp_path):
+    """In one process too: a second trainer on the directory is refused while the first one
+    holds it; abandoning the first one's steps (or finishing them) frees it."""
+    from specrl.config import Recipe, load_recipe
+    from specrl.train.loop import build_trainer
+
+    run = tmp_path / "run"
+    sets = [f"policy.path={target}", "policy.warmstart=null", f"draft.path={draft}"]
+    sets += ["draft.init=null", f"run.out_dir={run}", "train.steps=1", "train.plots=false"]
+    sets += ["rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=4"]
+    recipe = load_recipe(TINY, Recipe, sets)
+    first = build_trainer(recipe)
+    with pytest.raises(RunDirBusy, match=f"pid {__import__('os').getpid()}"):
+        build_trainer(recipe, resume=True)
+    steps = first.steps()
+    next(steps)
+    steps.close()  # abandoned after its one step
+    second = build_trainer(recipe, resume=True)
+    assert second.start_step == 1 and list(second.steps()) == []
+    assert open_run_dir(run, resume=True, overwrite=False).held  # released at the end
+
+
+def test_relative_paths_resolve_against_the_current_directory(
+    target, draft, tmp_path, cli, monkeypatch
+):
+    """Item 17: a recipe run from another directory: its relative paths resolve against the
+    current directory (documented in ``specrl train --help``), and the resolved run directory
+    is printed."""
+    import shutil
+
+    work = tmp_path / "work"
+    shutil.copytree(target, work / "models" / "target")
+    shutil.copytree(draft, work / "models" / "draft")
+    sets = ["policy.path=models/target", "policy.warmstart=null", "draft.path=models/draft"]
+    sets += ["draft.init=null", "run.out_dir=out/run", "train.steps=1", "train.plots=false"]
+    sets += ["rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=4"]
+    monkeypatch.chdir(work)
+    code, _, err = cli("train", TINY, *[a for s in sets for a in ("--set", s)])
+    assert code == 0, err
+    assert f"run directory: {work / 'out' / 'run'}" in err
+    assert (work / "out" / "run" / "metrics.jsonl").is_file()
+    assert not (TINY.parent / "models").exists() and not (TINY.parent / "out").exists()
+    code, out, _ = cli("train", "--help")
+    assert "resolve against the current directory" in " ".join(out.split())

@@ -28,7 +28,7 @@ from specrl.models.decoder import Transformer
 from specrl.models.draft import DraftConfig, Eagle3Draft, build_vocab_map, init_draft_weights
 from specrl.models.generate import generate
 from specrl.models.presets import preset_config
-from specrl.models.tokenizer import TextCodec, char_tokenizer, special_ids
+from specrl.models.tokenizer import LONG_TEXT, HFTokenizer, TextCodec, char_tokenizer, special_ids
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 from specrl.rollout.server import (
     EngineWorker,
@@ -73,6 +73,34 @@ def test_aborting_requests_frees_their_slots_and_leaves_the_others_exact(propose
     assert engine.abort([ids[0]]) == 0  # gone already: nothing to drop
     again = engine.generate([Request(p, greedy(12)) for p in PROMPTS])  # slots all free again
     assert [r.tokens for r in again] == expected
+
+
+def test_abort_after_a_step_that_failed_before_compacting_restores_the_slot_order():
+    """A step that finished every running sample, then raised before compacting, leaves freed
+    slots out of order; the server's recovery (abort the step's requests) puts them back, so
+    the next requests hold slots 0..n−1 again (decode reads the cache as a slice, not a gather)
+    and decode exactly."""
+    target, _ = make_pair()
+    engine = make_engine(target, max_batch_size=3)
+    ids = engine.add_requests([Request(p, greedy(4)) for p in PROMPTS[:3]])
+
+    def boom() -> None:
+        raise RuntimeError("injected failure before compaction")
+
+    engine._compact = boom  # the instance attribute shadows the method
+    with pytest.raises(RuntimeError, match="before compaction"):
+        while engine.has_unfinished():
+            engine.step()
+    del engine._compact
+    assert engine.num_running == 0 and engine.num_waiting == 0  # all three finished in it
+    engine.abort(ids)
+    later = engine.add_requests([Request(p, greedy(8)) for p in PROMPTS[3:5]])
+    results = engine.step()
+    assert sorted(s.slot for s in engine._running) == [0, 1]
+    while engine.has_unfinished():
+        results += engine.step()
+    tokens = {r.request_id: r.tokens for r in results}
+    assert [tokens[i] for i in later] == generate(target, PROMPTS[3:5], 8)
 
 
 # ----------------------------------------------------------------------- the server
@@ -463,3 +491,36 @@ def test_serve_refuses_a_weights_dir_that_is_not_a_directory(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(ConfigError, match=r"--weights-dir '.*nope' is not a directory"):
         serve_command(target=tmp_path, weights_dir=[tmp_path, missing])
+
+
+def test_long_texts_encode_through_the_gil_free_path_to_the_same_ids():
+    """HFTokenizer.encode sends texts over LONG_TEXT characters through encode_batch (which
+    releases the GIL, so tokenizing in the server's thread pool leaves the event loop free);
+    the ids are those of encode, for the character tokenizer and a byte-level BPE alike."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = ["12+34=46", "the sum of 7 and 8 is 15", "ünïcödé ✓ text"] * 20
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    calls: list[int] = []
+
+    class Spy:  # the real backend, recording the texts sent through encode_batch
+        def __init__(self, backend) -> None:
+            self.backend, self.encode = backend, backend.encode
+
+        def encode_batch(self, texts, **kw):
+            calls.append(len(texts[0]))
+            return self.backend.encode_batch(texts, **kw)
+
+    for tok in (char_tokenizer(), HFTokenizer(bpe, {})):
+        backend = tok.backend
+        tok.backend = Spy(backend)
+        for n in (LONG_TEXT, LONG_TEXT + 1, 50_000):
+            text = ("12+34=46 ünï ✓ " * (n // 14 + 1))[:n]
+            assert tok.encode(text) == backend.encode(text).ids
+            assert tok.encode(text, add_special_tokens=False) == (
+                backend.encode(text, add_special_tokens=False).ids
+            )
+    assert calls == [LONG_TEXT + 1, LONG_TEXT + 1, 50_000, 50_000] * 2

@@ -263,6 +263,19 @@ def test_worker_errors_death_and_hangs_fail_in_bounded_time():
     assert time.monotonic() - t0 < 5
 
 
+def test_a_collected_worker_stops_its_thread():
+    import gc
+
+    w = DraftWorker("gc", timeout=5)
+    assert w.wait(w.submit(lambda: 7)) == 7
+    thread = w._thread
+    assert thread is not None and thread.is_alive()
+    del w
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
 def _raise(exc: BaseException):
     raise exc
 
@@ -355,3 +368,23 @@ def test_greedy_auto_mode_matches_plain_and_uses_both_modes(slots):
     assert used == {"coupled", "decoupled"}
     with pytest.raises(ConfigError, match="decoupled"):
         make_engine(model, spec=SpecConfig(proposers=["ngram"], decoupled="sometimes"))
+
+
+def test_ceiling_pair_accepts_every_draft(tmp_path):
+    """benchmarks/studies/ceiling_pair.py: both models put all-zero logits on every token, so
+    greedy drafts are always accepted and every decoupled guess holds."""
+    from benchmarks.studies.ceiling_pair import make_pair as ceiling_pair
+
+    from specrl.models.checkpoint import load_model
+
+    target_dir, draft_dir = ceiling_pair("toy-tiny", tmp_path / "pair")
+    model = load_model(target_dir)
+    spec = SpecConfig(
+        proposers=("eagle3",), max_k=3, gate=False, decoupled=True,
+        proposer_options={"eagle3": {"path": str(draft_dir)}},
+    )  # fmt: skip
+    engine = make_engine(model, max_batch_size=2, spec=spec)
+    out = engine.generate([Request([1, 5, 6], greedy(20)), Request([1, 7], greedy(20))])
+    assert all(r.tokens == [0] * 20 for r in out)
+    s = engine.stats()
+    assert s["spec"]["acceptance_rate"] == 1.0 and s["decoupled"]["hits"] > 0

@@ -31,3 +31,21 @@ def test_megatron_candidates_on_cpu_have_no_cp():
     assert "Transformer Engine" in reasons["dp2·cp2·pp2"]
     native, _ = enumerate_layouts(8, **JOB, cuda=False)
     assert set(ok) < set(native)
+
+
+def test_profile_parallelism_backend_flag():
+    """``specrl profile-parallelism --backend megatron`` ranks only what Megatron-core runs."""
+    import json
+
+    from tests.conftest import run_cli
+
+    args = ["--json", "profile-parallelism", "--model", "llama-8b", "--seq-len", "4096"]
+    proc = run_cli(*args, "--gpus", "8", "--backend", "megatron", "--top", "50")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["workload"]["backend"] == "megatron"
+    assert report["candidates"] and all(c["pp"] >= 2 for c in report["candidates"])
+    assert any("needs pp ≥ 2" in r["reason"] for r in report["rejected"])
+    small = ["--model", "toy-small", "--seq-len", "64", "--gpus", "2", "--hardware", "cpu"]
+    proc = run_cli("profile-parallelism", *small, "--backend", "megatron", "--measure")
+    assert proc.returncode == 1 and "not Megatron-core's" in proc.stderr

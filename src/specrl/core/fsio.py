@@ -29,6 +29,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -196,8 +197,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _leftover_pid(name: str) -> int | None:
-    tail = name.rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else None
+    """The writer's pid in a temporary's name (``….tmp-<random>-<pid>[.<ext>]``)."""
+    m = re.search(r"-(\d+)(\.[A-Za-z0-9]+)?$", name)
+    return int(m.group(1)) if m else None
 
 
 def clean_stale(dest: PathLike) -> None:
@@ -208,13 +210,16 @@ def clean_stale(dest: PathLike) -> None:
     if not parent.is_dir():
         return
     aside = sorted(parent.glob(f".{d.name}.old-*"), key=lambda q: q.stat().st_mtime)
+    live = [q for q in aside if (pid := _leftover_pid(q.name)) is not None and _pid_alive(pid)]
+    if live:
+        return  # another writer is between its two renames: it puts things right itself
     if aside and not os.path.lexists(d):
         os.replace(aside.pop(), d)  # the newest old copy is the last complete one
         fsync_dir(parent)
     for q in [*aside, *parent.glob(f".{d.name}.tmp-*")]:
         pid = _leftover_pid(q.name)
-        if pid is not None and _pid_alive(pid):
-            continue
+        if pid is None or _pid_alive(pid):
+            continue  # not ours to judge, or its writer still runs
         if q.is_dir() and not q.is_symlink():
             shutil.rmtree(q, ignore_errors=True)
         else:
@@ -312,6 +317,7 @@ def atomic_file(
     check_output(p, kind="file", overwrite=overwrite, flag="output", probe=False)
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
+        clean_stale(p)
         fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.tmp-", suffix=f"-{os.getpid()}")
     except OSError as exc:
         raise _wrap_oserror(p, exc) from None
@@ -348,6 +354,7 @@ def atomic_save(path: PathLike, save: Callable[[Path], None], *, suffix: str = "
     check_output(p, kind="file", overwrite=True, flag="output", probe=False)
     tmp = p.parent / f".{p.name}.tmp-{os.getpid()}{suffix}"
     try:
+        clean_stale(p)
         save(tmp)
         fsync_file(tmp)
         os.replace(tmp, p)

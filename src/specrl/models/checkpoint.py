@@ -98,14 +98,18 @@ def weight_files(path: Path) -> list[Path]:
 def read_safetensors(
     files: list[Path], dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """All tensors of the given files; corrupt/truncated files raise CheckpointError."""
+    """All tensors of the given files; corrupt/truncated files, and floating tensors holding NaN
+    or infinite values, raise CheckpointError naming the file (and the tensor)."""
     out: dict[str, torch.Tensor] = {}
     for f in files:
+        bad: list[tuple[str, int]] = []
         size = f.stat().st_size
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for name in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     t = fh.get_tensor(name)
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        bad.append((name, int((~torch.isfinite(t)).sum())))
                     out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         except Exception as exc:  # safetensors raises its own error types and OSError
             raise CheckpointError(
@@ -113,6 +117,12 @@ def read_safetensors(
                 f"{str(exc).splitlines()[0][:120]})",
                 hint="the file is truncated or corrupt; re-copy or re-export the checkpoint",
             ) from None
+        if bad:
+            raise CheckpointError(
+                f"'{f}': tensor '{bad[0][0]}' holds {bad[0][1]} non-finite values (NaN or inf)"
+                + (f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""),
+                hint="the checkpoint is corrupt or its training diverged; use an earlier one",
+            )
     return out
 
 

@@ -103,6 +103,10 @@ def _ids(value: Any) -> list[int]:
     return [int(value)]
 
 
+# characters from which HFTokenizer.encode tokenizes with the GIL released
+LONG_TEXT = 4096
+
+
 class HFTokenizer:
     """A checkpoint's tokenizer files; encodes as ``transformers.AutoTokenizer`` does.
 
@@ -285,7 +289,16 @@ class HFTokenizer:
 
     # ------------------------------------------------------------------ encoding
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text`` (``add_special_tokens``: the post-processor's BOS/EOS)."""
+        """Token ids of ``text`` (``add_special_tokens``: the post-processor's BOS/EOS).
+
+        A long text goes through ``encode_batch``, which tokenizes with the GIL released
+        (``encode`` holds it, ~10 ms per 1000 characters on a slow core): a server tokenizing
+        long prompts in worker threads keeps answering on its event loop.  Short ones keep
+        ``encode`` (``encode_batch`` marks the tokenizer's thread pool used, and a later fork
+        then warns)."""
+        if len(text) > LONG_TEXT:
+            batch = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+            return batch[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

@@ -48,6 +48,7 @@ import dataclasses
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -96,7 +97,7 @@ class DraftWorker:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.broken: str | None = None  # why it no longer takes jobs
-        self.busy_seconds = 0.0  # time spent in jobs (the drafting the target step hid)
+        self._busy = [0.0]  # seconds spent in jobs, written by the worker thread
 
     # ------------------------------------------------------------------ engine side
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
@@ -105,9 +106,13 @@ class DraftWorker:
             raise DrafterError(f"drafter worker {self.name!r} is unusable: {self.broken}")
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(
-                target=self._loop, name=f"specrl-{self.name}", daemon=True
+                target=_serve,
+                args=(self._jobs, self.threads, self.stream, self._busy),
+                name=f"specrl-{self.name}",
+                daemon=True,
             )
             self._thread.start()
+            weakref.finalize(self, self._jobs.put, _STOP)
         fut: Future = Future()
         self._jobs.put((fut, fn, args))
         return fut
@@ -146,40 +151,53 @@ class DraftWorker:
 
     def close(self) -> None:
         """Stop the worker thread after the jobs queued so far (it is a daemon: a hung job
-        does not keep the process alive)."""
+        does not keep the process alive).  A worker that is garbage collected closes too."""
         if self._thread is not None and self._thread.is_alive():
             self._jobs.put(_STOP)
         self._thread = None
 
-    # ------------------------------------------------------------------ worker side
-    def _loop(self) -> None:
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)  # this thread's OpenMP pool only
-        while True:
-            job = self._jobs.get()
-            if job is _STOP:
-                return
-            fut, fn, args = job
-            if not fut.set_running_or_notify_cancel():
-                continue
-            t0 = time.perf_counter()
-            try:
-                with torch.no_grad():
-                    if self.stream is not None:
-                        with torch.cuda.stream(self.stream):
-                            value = fn(*args)
-                            event = torch.cuda.Event()
-                            event.record(self.stream)
-                    else:
-                        value, event = fn(*args), None
-            except Exception as exc:  # handed to the engine thread
-                fut.set_exception(exc)
-            except BaseException:  # SystemExit, KeyboardInterrupt: the thread ends here
-                return  # (wait() finds it dead)
-            else:
-                fut.set_result((value, event))
-            finally:
-                self.busy_seconds += time.perf_counter() - t0
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds the worker spent in jobs (the drafting the target's steps hid)."""
+        return self._busy[0]
+
+
+def _serve(
+    jobs: queue.SimpleQueue[Any],
+    threads: int | None,
+    stream: torch.cuda.Stream | None,
+    busy: list[float],
+) -> None:
+    """The worker thread: run jobs until :data:`_STOP`.  It holds the queue, not the
+    :class:`DraftWorker`, so a worker nobody references is collected (and stops its thread)."""
+    if threads is not None:
+        torch.set_num_threads(threads)  # this thread's OpenMP pool only
+    while True:
+        job = jobs.get()
+        if job is _STOP:
+            return
+        fut, fn, args = job
+        if not fut.set_running_or_notify_cancel():
+            continue
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        value = fn(*args)
+                        event = torch.cuda.Event()
+                        event.record(stream)
+                else:
+                    value, event = fn(*args), None
+        except Exception as exc:  # handed to the engine thread
+            fut.set_exception(exc)
+        except BaseException:  # SystemExit, KeyboardInterrupt: the thread ends here
+            return  # (wait() finds it dead)
+        else:
+            fut.set_result((value, event))
+        finally:
+            busy[0] += time.perf_counter() - t0
+        job = fut = fn = args = value = event = None  # a finished job's objects are freed
 
 
 def supports_ahead(proposer: Any) -> bool:

@@ -227,8 +227,9 @@ class RolloutEngine:
                 p.release(seq)
             if self.lookahead is not None:
                 self.lookahead.release(seq)
-        if running:
-            self._compact()
+        # always: after a step that failed between releasing finished samples and compacting,
+        # this is what puts the running samples back in slots 0..n−1 and the free list in order
+        self._compact()
         return len(queued) + len(running)
 
     @property

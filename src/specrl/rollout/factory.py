@@ -8,9 +8,12 @@ draft added to the eagle3 proposer's options here); the caller gives what a reci
 cannot — the policy and draft (modules or checkpoint directories), the codec, a seed, the
 longest sequence, a clock.
 
-Backends: the embedded engine (:class:`~specrl.rollout.engine.RolloutEngine`) is built by
-:func:`build_embedded`.  :func:`build_engine` is the single dispatch point where another backend
-implementing :class:`~specrl.rollout.types.Engine` (vLLM) is chosen from the recipe.
+Backends (``rollout.backend``): ``embedded``, specrl's engine
+(:class:`~specrl.rollout.engine.RolloutEngine`, built by :func:`build_embedded`), and ``vllm``
+(:class:`~specrl.integrations.vllm_engine.VllmEngine`, built by
+:func:`~specrl.integrations.vllm_engine.build_vllm`; imported only when chosen, so vLLM stays an
+optional extra).  Both implement :class:`~specrl.rollout.types.Engine`; :func:`build_engine` is
+the single place the recipe chooses between them.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def build_engine(
     seed: int = 0,
     max_model_len: int | None = None,
     clock: Callable[[], float] | None = None,
+    workdir: str | Path | None = None,
 ) -> Engine:
     """The rollout engine the recipe section ``rollout`` describes, decoding ``policy``.
 
@@ -57,7 +61,22 @@ def build_engine(
     prompts and stop strings; default: the checkpoint's).  ``seed``: the engine's sampling and
     decision seed.  ``max_model_len``: longest prompt + output (default: the model's).
     ``clock``: the engine's clock (the trainer's deterministic mode counts forwards).
+    ``workdir``: where the vLLM backend writes what it serves from (policy checkpoint, draft
+    export) when given modules; default: a temporary directory the engine removes on close.
     """
+    if rollout.backend == "vllm":
+        from specrl.integrations.vllm_engine import build_vllm
+
+        return build_vllm(
+            rollout,
+            policy,
+            draft,
+            codec=codec,
+            device=device,
+            seed=seed,
+            max_model_len=max_model_len,
+            workdir=workdir,
+        )
     return build_embedded(
         rollout,
         policy,

@@ -178,6 +178,7 @@ def _build(recipe, layout, source, known, device, created, resume, progress) -> 
         draft=draft,
         reference=reference,
         created=created,
+        policy_dir=policy_dir,
     )
     trainer.warnings = warnings
     if resume_from is not None:
@@ -199,9 +200,11 @@ class RLTrainer:
         draft: Eagle3Draft | None = None,
         reference: Transformer | None = None,
         created: dict[str, str] | None = None,
+        policy_dir: Path | None = None,
     ) -> None:
         """Assemble a run from loaded models (:func:`build_trainer` loads them); ``created``:
-        what the artifacts step made, for the run log."""
+        what the artifacts step made, for the run log; ``policy_dir``: the checkpoint the
+        policy was loaded from (the vLLM backend loads it from there, then takes every sync)."""
         self.recipe, self.layout, self.policy, self.tokenizer = recipe, layout, policy, tokenizer
         self.draft, self.created = draft, created or {}
         self.rank, self.world = layout.rank, layout.world
@@ -220,15 +223,24 @@ class RLTrainer:
         self.run_lock: RunDirLock | None = None  # rank 0: held until the last checkpoint
         # the engine decodes copies of the plain models; then the parallelisms, in their order
         self.engine: Engine | None = None
+        self.vllm = recipe.rollout.backend == "vllm"
+        if self.vllm and layout.world > 1:
+            raise ConfigError(
+                "rollout.backend: vllm runs in the trainer's process: it needs dp = cp = pp = 1",
+                hint="use rollout.backend: embedded for parallel layouts",
+            )
+        if self.vllm and policy_dir is None:
+            raise ConfigError("rollout.backend: vllm needs the policy's checkpoint directory")
         if layout.is_rollout_rank:
             self.engine = build_engine(
                 recipe.rollout,
-                policy,
+                policy_dir if self.vllm else policy,
                 draft,
                 codec=self.codec,
                 seed=recipe.run.seed + 7919 * layout.dp_rank,
                 max_model_len=self.max_seq_len,
                 clock=self.clock,
+                workdir=self.run_dir / "vllm" if self.vllm else None,
             )
         self.strategy = parallelize_policy(
             policy,
@@ -341,6 +353,8 @@ class RLTrainer:
         takes = self.cotrain and self.engine.takes_draft_weights
         draft = draft_state(self.draft) if takes else None
         self.engine.update_weights(policy=policy_state, draft=draft, version=version)
+        if self.vllm:
+            return  # the vLLM engine verifies what it loaded itself (per-tensor checksums)
         mine = [float(p.detach().double().sum()) for p in self.policy.parameters()]
         theirs = [float(p.detach().double().sum()) for p in self.engine.model.parameters()]
         if mine != theirs:
@@ -460,7 +474,8 @@ class RLTrainer:
 
         Metrics are appended to ``metrics.jsonl``, checkpoints saved on schedule and on
         SIGTERM/SIGINT (then :class:`Interrupted` is raised).  Several trainers can be stepped
-        alternately (benchmarks interleave runs so machine noise hits them alike).
+        alternately (benchmarks interleave runs so machine noise hits them alike).  The run
+        directory's lock is released when the steps end, fail or are abandoned.
         """
         tr = self.recipe.train
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -477,7 +492,8 @@ class RLTrainer:
                 if tr.eval_every and (step + 1) % tr.eval_every == 0 and self.rank == 0:
                     assert self.engine is not None  # rank 0 rolls out
                     rec["heldout_accuracy"] = evaluate(
-                        self.engine.model,  # the synced plain copy (no parallelism hooks)
+                        # the synced plain copy (no parallelism hooks); vLLM: the policy itself
+                        self.policy if self.vllm else self.engine.model,
                         self.codec,
                         self.task,
                         self.held_out,
@@ -500,6 +516,9 @@ class RLTrainer:
                         hint="continue with: specrl train <recipe> --resume",
                     )
                 yield rec
+        except BaseException:  # a failed, interrupted or abandoned run frees its directory too
+            self.close()
+            raise
         finally:
             for s, h in old.items():
                 signal.signal(s, h)

@@ -2,10 +2,10 @@
 
 * **One writer.**  The trainer (rank 0) holds an advisory lock on ``<run>/.specrl-run.lock``
   (``fcntl.flock`` through the :mod:`filelock` library) from the moment it prepares the run
-  directory until its last step is checkpointed.  A second ``specrl train`` on the same
-  directory stops at once with a one-line error naming the holder's pid and host (recorded in
-  ``.specrl-run.owner.json``).  The kernel drops the lock when the holder dies, however it
-  dies, so a killed run never leaves a stale lock behind.
+  directory until its steps end, fail or are abandoned (``RLTrainer.close``).  A second
+  ``specrl train`` on the same directory stops at once with a one-line error naming the
+  holder's pid and host (recorded in ``.specrl-run.owner.json``).  The kernel drops the lock
+  when the holder dies, however it dies, so a killed run never leaves a stale lock behind.
 * **No silent truncation.**  A run directory that already holds a run (metric records or
   checkpoints) is only continued with ``--resume`` or started over with ``--overwrite``, which
   deletes exactly what a run writes (``metrics.jsonl``, ``checkpoints/``, the plots) and nothing

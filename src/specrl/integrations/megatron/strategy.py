@@ -156,8 +156,6 @@ class MegatronStrategy:
                 "parallelism needs Transformer Engine's attention (GPU only)",
                 hint="use parallel.cp: 1 with this backend, or policy.backend: native",
             )
-        if dims.pp < 2:
-            raise LayoutError("policy.backend=megatron runs pipelines of pp ≥ 2 stages")
         vp = dims.virtual_stages
         if (schedule == "interleaved") != (vp > 1):
             raise LayoutError(
@@ -226,7 +224,11 @@ class MegatronStrategy:
         groups = layout.groups
         pipelines = dims.group_ranks("pp")
         # stage 0 → last stage: the draft's frozen embedding follows the policy's
-        self._embed_link, _ = dist.new_subgroups_by_enumeration([[p[0], p[-1]] for p in pipelines])
+        self._embed_link = None
+        if dims.pp > 1:
+            self._embed_link, _ = dist.new_subgroups_by_enumeration(
+                [[p[0], p[-1]] for p in pipelines]
+            )
         if self.tap_layers:
             distinct = tuple(sorted(set(self.tap_layers)))
             gathered: list[Any] = [None] * dims.pp
@@ -472,7 +474,8 @@ class MegatronStrategy:
         else:
             assert self.draft is not None
             weight = torch.empty_like(self.draft.embed_tokens.weight)
-        dist.broadcast(weight, src=pipeline[0], group=self._embed_link)
+        if self._embed_link is not None:
+            dist.broadcast(weight, src=pipeline[0], group=self._embed_link)
         if self.draft is not None:
             self.draft.refresh_embedding(weight)
 
