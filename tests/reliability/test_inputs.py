@@ -60,3 +60,10 @@ def test_non_finite_weights_are_refused_at_load(target, tmp_path, cli, value):
     result = cli("rollout", "--target", bad, "--prompts", q, "--out", tmp_path / "o.jsonl")
     assert_one_line_error(result, str(bad / "model.safetensors"), name)
     assert torch.isfinite(load_model(target).lm_head.weight).all()  # the original is fine
+
+
+def test_unreadable_token_file_is_one_line(target, tmp_path, cli):
+    token = tmp_path / "token"
+    token.write_bytes(b"\xff\xfe secret")
+    result = cli("rollout", "serve", "--target", target, "--update-token-file", token)
+    assert_one_line_error(result, f"token file '{token}' is unreadable")

@@ -101,6 +101,10 @@ def test_non_utf8_recipe_is_one_line(tmp_path, cli):
     assert_one_line_error(cli("train", bad), f"{bad}: not UTF-8 text (byte 0xe9 at line 2)")
 
 
+def test_a_recipe_path_that_is_a_directory_is_one_line(tmp_path, cli):
+    assert_one_line_error(cli("train", tmp_path), f"recipe file '{tmp_path}' is not a regular file")
+
+
 def test_yaml_alias_bomb_is_a_short_error(tmp_path, cli):
     """Item 9: 7 chained anchors inside run.name (300 bytes) printed a 39 MB error line."""
     lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']

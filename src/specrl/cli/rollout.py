@@ -331,7 +331,10 @@ def serve_command(
     if update_token_file is not None:
         if not update_token_file.is_file():
             raise ConfigError(f"token file '{update_token_file}' does not exist")
-        token = update_token_file.read_text(encoding="utf-8").strip()
+        try:
+            token = update_token_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"token file '{update_token_file}' is unreadable ({exc})") from None
         if not token:
             raise ConfigError(f"token file '{update_token_file}' is empty")
     elif os.environ.get("SPECRL_UPDATE_TOKEN"):

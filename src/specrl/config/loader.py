@@ -327,8 +327,12 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     errors for missing, non-UTF-8 or invalid files."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"recipe file '{p}' does not exist", hint="ls recipes/ for examples")
-    raw = p.read_bytes()
+        what = "is not a regular file" if p.exists() else "does not exist"
+        raise ConfigError(f"recipe file '{p}' {what}", hint="ls recipes/ for examples")
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read recipe file '{p}': {exc.strerror or exc}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

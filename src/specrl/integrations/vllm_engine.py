@@ -750,6 +750,17 @@ def build_vllm(
             f"rollout.speculation.proposers: the vLLM backend has no drafter {unknown[0]!r}",
             hint=f"use one of {', '.join(METHODS)}",
         )
+    for field, value in (
+        ("decoupled", getattr(spec, "decoupled", False)),
+        ("k_by_batch_size", getattr(spec, "k_by_batch_size", None)),
+        ("draft_lengths", getattr(spec, "draft_lengths", None)),
+    ):
+        if spec is not None and value:
+            raise ConfigError(
+                f"rollout.speculation.{field} is an embedded-engine setting; the vLLM backend "
+                "drafts a fixed k = max_k with one drafter",
+                hint=f"drop rollout.speculation.{field}, or use rollout.backend: embedded",
+            )
     method = None
     if "eagle3" in names:
         if draft is None:

@@ -187,7 +187,11 @@ class NgramProposer(ProposerBase):
         if best is None:
             return []
         _, _, src, end = best
-        return src.tokens[end + 1 : end + 1 + k]
+        # the own source's continuation reads the sequence's own list: the same list for a real
+        # sequence, and for a shadow carrying drafts (decoupled drafting) its longer one, so a
+        # match near the end continues into the drafts instead of stopping where the index does
+        own = src is self._live[seq.seq_id].index
+        return (toks if own else src.tokens)[end + 1 : end + 1 + k]
 
 
 @register_proposer("ngram")
