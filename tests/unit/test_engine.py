@@ -492,7 +492,7 @@ def test_bad_requests_and_registry_errors():
     with pytest.raises(ConfigError, match="bad options"):
         build_proposer("test-garbage", None, colour="red")  # type: ignore[arg-type]
     for bad in ({"max_k": 0}, {"max_k": 4, "draft_lengths": [2, 5]}):  # a recipe's one-line error
-        with pytest.raises(ConfigError, match=r"max_k must|draft_lengths must"):
+        with pytest.raises(ConfigError, match=r"max_k' must be in \[1, 64\]|draft_lengths must"):
             from_dict(SpecConfig, {"proposers": ["ngram"], **bad}, prefix="rollout.speculation")
     engine = make_engine(tiny(), spec=SpecConfig(("ngram",), max_k=8, draft_lengths=(8, 2, 2)))
     assert [arm.k for arm in engine.controller.arms] == [2, 8]
