@@ -120,7 +120,7 @@ def test_eagle3_propose_ahead_continues_the_chain_exactly(moved):
         engine = make_engine(target, max_batch_size=3, spec=spec)
         engine.add_requests([Request(PROMPTS[0], params), Request(PROMPTS[3], params)])
         engine.step()  # prefill: the proposer holds the prompts' taps
-        return engine, engine.proposers["eagle3"], engine._running
+        return engine, engine.proposers["eagle3"], engine.scheduler.running
 
     _, prop, seqs = prefilled()
     long = prop.propose(seqs, [6, 6])

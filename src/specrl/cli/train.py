@@ -11,8 +11,8 @@ from specrl.cli.common import load, progress_bar
 from specrl.cli.ui import JsonOpt, SetOpt, emit_json, err, kv_table, out, want_json
 
 
-def _fmt(v: Any) -> str:
-    return "-" if v is None else f"{v:.3f}"
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec)
 
 
 def train_command(
@@ -73,6 +73,7 @@ def train_command(
                     r["step"],
                     steps,
                     f"reward {r['reward']:.2f}  τ {_fmt(r['tau'])}  "
+                    f"|Δlogp| {_fmt(r.get('logp_gap_mean'), '.1e')}  "
                     f"tok/s {r['rollout_tokens_per_s']:.0f}",
                 )
 

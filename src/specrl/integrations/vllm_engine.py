@@ -582,25 +582,47 @@ class VllmEngine:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        from specrl.rollout.state import snapshot
-
+        """JSON-able state a resumed run restores: versions, request counter, the seed stream
+        of unseeded requests, the alarm, the counters."""
+        version, internal, gauss = self._rng.getstate()
+        t = self._total
         return {
+            "backend": "vllm",
             "policy_version": self.policy_version,
             "draft_version": self.draft_version,
             "next_request": self._next_request,
-            "rng": snapshot(self._rng),
-            "alarm": snapshot(self.alarm),
-            "totals": self._total.__dict__ | {"spec": self._total.spec.to_dict()},
+            "rng": [version, list(internal), gauss],
+            "alarm": self.alarm.state_dict(),
+            "totals": {
+                **{n: getattr(t, n) for n in _Totals.COUNTS},
+                "seconds": t.seconds,
+                "spec": t.spec.state_dict(),
+            },
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        from specrl.rollout.state import restore
-
-        self.policy_version = int(state["policy_version"])
-        self.draft_version = int(state["draft_version"])
-        self._next_request = int(state["next_request"])
-        self._rng = restore(state["rng"], self._rng)
-        self.alarm = restore(state["alarm"], self.alarm)
+        if state.get("backend") != "vllm":
+            raise CheckpointError(
+                "saved engine state is not the vLLM backend's (was rollout.backend changed?)",
+                hint="resume with the recipe the run was started with",
+            )
+        try:
+            self.policy_version = int(state["policy_version"])
+            self.draft_version = int(state["draft_version"])
+            self._next_request = int(state["next_request"])
+            version, internal, gauss = state["rng"]
+            self._rng.setstate((version, tuple(internal), gauss))
+            self.alarm.load_state_dict(state["alarm"])
+            totals = state["totals"]
+            for n in _Totals.COUNTS:
+                setattr(self._total, n, int(totals[n]))
+            self._total.seconds = float(totals["seconds"])
+            self._total.spec = SpecStats.from_state(totals["spec"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(
+                f"saved vLLM engine state is malformed ({type(exc).__name__}: {str(exc)[:80]})",
+                hint="resume from an unaltered checkpoint",
+            ) from None
 
     def close(self) -> None:
         """Release vLLM (its engine, distributed state, memory) and the files it served from."""
@@ -653,6 +675,8 @@ def _vllm_name(which: str, name: str) -> str:
 
 class _Totals:
     """What the vLLM engine counts (the embedded engine's :class:`Counters` keys)."""
+
+    COUNTS = ("tokens", "finished", "requests", "alarms", "target_forwards")
 
     def __init__(self) -> None:
         self.tokens = 0
@@ -750,6 +774,17 @@ def build_vllm(
             f"rollout.speculation.proposers: the vLLM backend has no drafter {unknown[0]!r}",
             hint=f"use one of {', '.join(METHODS)}",
         )
+    for field, value in (
+        ("decoupled", getattr(spec, "decoupled", False)),
+        ("k_by_batch_size", getattr(spec, "k_by_batch_size", None)),
+        ("draft_lengths", getattr(spec, "draft_lengths", None)),
+    ):
+        if spec is not None and value:
+            raise ConfigError(
+                f"rollout.speculation.{field} is an embedded-engine setting; the vLLM backend "
+                "drafts a fixed k = max_k with one drafter",
+                hint=f"drop rollout.speculation.{field}, or use rollout.backend: embedded",
+            )
     method = None
     if "eagle3" in names:
         if draft is None:

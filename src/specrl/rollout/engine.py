@@ -52,29 +52,35 @@ import itertools
 import logging
 import random
 import time
-from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from specrl.config.schema import SpeculationConfig
-from specrl.core.attention import PackedLayout
 from specrl.errors import CheckpointError, ConfigError
 from specrl.models.decoder import CacheBatch, Transformer
 from specrl.models.tokenizer import TextCodec
+from specrl.rollout.batch import (
+    BatchBuilder,
+    Launch,
+    checked_draft,
+    committed_taps,
+    plan_prefill,
+    read_back,
+    shared_prefix,
+)
 from specrl.rollout.compiled import Compiled, CompiledDecode
 from specrl.rollout.decoupled import DrafterError, DraftWorker, Lookahead, ModeChoice
-from specrl.rollout.gating import Arm, SpecController
+from specrl.rollout.gating import SpecController
 from specrl.rollout.metrics import AcceptanceAlarm, Counters
 from specrl.rollout.proposers import Proposer, ProposerContext, SupportsWeights, build_proposer
 from specrl.rollout.sampling import (
-    RowParams,
     SamplingParams,
     sampling_probs,
     sequence_generator,
 )
+from specrl.rollout.scheduler import Scheduler, stopped
 from specrl.rollout.types import Draft, Request, Result, Results, SeqState
 from specrl.rollout.verify import decide, decide_greedy, decide_plain
 from specrl.rollout.weights import apply_update, plan_update
@@ -86,67 +92,6 @@ log = logging.getLogger("specrl.rollout")
 
 # the recipe's speculation section is the engine's settings, passed straight through
 SpecConfig = SpeculationConfig
-
-
-@dataclass
-class _Launch:
-    """One packed forward of a step: planned on the host, then run, then read back."""
-
-    prefill: bool
-    seqs: list[SeqState]  # the sequences it advances (each gets k + 1 verified rows)
-    fed: list[SeqState]  # the sequences whose tokens are fed (prefill: one per request)
-    feeder: list[int]  # for each of ``seqs``, the index in ``fed`` that carries it
-    inputs: list[list[int]]  # tokens fed, per entry of ``fed``
-    drafts: list[Draft]  # per sequence (empty for prefill)
-    arms: list[Arm | None]  # per sequence: the bandit arm when speculating
-    caps: list[int]  # per sequence: the draft length it was allowed
-    num_rows: list[int]  # per sequence: verified (logit) rows, k + 1
-    # one entry per propose call: (proposer, tokens asked Σ caps, longest cap, seconds)
-    # propose calls: (proposer, tokens asked, longest cap, seconds, positions it had queued)
-    draft_calls: list[tuple[str, int, int, float, int]] = field(default_factory=list)
-    input_starts: list[int] = field(default_factory=list)  # first packed row of each ``fed``
-    tensors: dict[str, Any] = field(default_factory=dict)  # device inputs
-    out: dict[str, Any] = field(default_factory=dict)  # device outputs
-    k1: int = 1  # K + 1, width of the padded [B, K+1] tables
-
-
-# characters past a stop string that a tail decode covers: a window that starts inside a
-# multi-byte character decodes a replacement character or two at its start
-STOP_TAIL_MARGIN = 16
-
-
-def stop_string_hit(
-    decode: Callable[[list[int]], str],
-    tokens: list[int],
-    prompt_len: int,
-    stops: Sequence[str],
-) -> tuple[str, str] | None:
-    """(output text before the stop string, the stop string) if the output ``tokens[prompt_len:]``
-    contains one of ``stops`` (the earliest occurrence; on a tie the smallest string), else
-    None.
-
-    Called after every appended token, when no stop string was in the text before it: a new
-    occurrence ends in the text's last characters, so only a tail of the tokens is decoded
-    (enough for the longest stop string plus :data:`STOP_TAIL_MARGIN` characters), and the
-    whole output only when the tail holds a stop string, to cut the text there.  Per token
-    this costs the tail, not the output so far (a full decode per token is quadratic in the
-    length of long rollouts)."""
-    need = max(len(s) for s in stops) + STOP_TAIL_MARGIN
-    width = need
-    while True:
-        start = max(prompt_len, len(tokens) - width)
-        tail = decode(tokens[start:])
-        if start == prompt_len or len(tail) >= need:
-            break
-        width *= 2  # tokens that decode to few characters (bytes, special tokens)
-    if not any(s in tail for s in stops):
-        return None
-    text = tail if start == prompt_len else decode(tokens[prompt_len:])
-    hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
-    if not hits:
-        return None
-    i, s = min(hits)
-    return text[:i], s
 
 
 class _Stopwatch:
@@ -244,20 +189,15 @@ class RolloutEngine:
         self.policy_version = 0
         self.draft_version = 0
         self._rng = random.Random(seed)
-        self._waiting: deque[SeqState] = deque()
-        self._running: list[SeqState] = []
-        self._free_slots = list(range(max_batch_size - 1, -1, -1))  # pop() → lowest slot first
+        self.scheduler = Scheduler(max_batch_size)
+        self.batches = BatchBuilder(
+            self.device, self.vocab_size, model.dtype, self._compiled is not None
+        )
         self._next_seq = 0
         self._next_request = 0
-        self._open: dict[str, int] = {}  # request id → samples not finished yet
         # counters behind stats(), and those of the generate() call under way
         self._total = Counters.for_proposers(list(self.proposers))
         self._call: Counters | None = None
-        # the last launch's sampling tensors (_row_params_of): parameter objects, rows, tensors
-        self._row_params: tuple[list[SamplingParams], list[int], RowParams] | None = None
-        # eager plain decode steps: per batch size, the layout and verifier tables that do
-        # not change from step to step (_prepare_plain)
-        self._plain_tables: dict[int, tuple[PackedLayout, torch.Tensor, torch.Tensor]] = {}
 
     # ---------------------------------------------------------------------- requests
     def add_requests(self, requests: Sequence[Request]) -> list[str]:
@@ -266,37 +206,27 @@ class RolloutEngine:
         All are validated before any is queued: a bad one raises ValueError and queues nothing.
         """
         seqs = self._make_all(requests)
-        for group in seqs:
-            self._waiting.extend(group)
         return [group[0].request_id for group in seqs]
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        return self.scheduler.has_unfinished()
 
     def queued_requests(self) -> set[str]:
         """Ids of the requests none of whose samples has been admitted yet (samples of a
         request are queued together and admitted in order, so sample 0 waits for all)."""
-        return {s.request_id for s in self._waiting if s.index == 0}
+        return {s.request_id for s in self.scheduler.waiting if s.index == 0}
 
     def abort(self, request_ids: Sequence[str]) -> int:
         """Drop every unfinished sample of these requests, waiting or running, between steps:
         their slots and proposer state are freed and no result is produced.  Also the way back
         to a consistent engine after a failed :meth:`step` (abort the requests it held).
         Returns the samples dropped."""
-        ids = set(request_ids)
-        queued = [s for s in self._waiting if s.request_id in ids]
-        if queued:
-            self._waiting = deque(s for s in self._waiting if s.request_id not in ids)
-        running = [s for s in self._running if s.request_id in ids]
+        queued, running = self.scheduler.abort(request_ids)
         for seq in running:
-            self._running.remove(seq)
-            self._free_slots.append(seq.slot)
             for p in self.proposers.values():
                 p.release(seq)
             if self.lookahead is not None:
                 self.lookahead.release(seq)
-        for rid in ids:
-            self._open.pop(rid, None)
         # always: after a step that failed between releasing finished samples and compacting,
         # this is what puts the running samples back in slots 0..n−1 and the free list in order
         self._compact()
@@ -304,11 +234,11 @@ class RolloutEngine:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.scheduler.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.scheduler.waiting)
 
     def generate(
         self,
@@ -327,7 +257,6 @@ class RolloutEngine:
             raise RuntimeError("generate() needs an idle engine; drain add_requests() work first")
         seqs = [s for group in self._make_all(requests) for s in group]
         order = {(s.request_id, s.index): i for i, s in enumerate(seqs)}
-        self._waiting.extend(seqs)
         if progress is not None:
             progress(0, len(seqs))
         results: list[Result | None] = [None] * len(seqs)
@@ -352,12 +281,7 @@ class RolloutEngine:
                 seqs.append(self._make_seqs(r))
             except ValueError as exc:
                 raise ValueError(f"{r.request_id}: {exc}" if r.request_id else str(exc)) from None
-        ids = [group[0].request_id for group in seqs]
-        clash = sorted({i for i, c in Counter(ids).items() if c > 1 or i in self._open})
-        if clash:
-            raise ValueError(f"request id {clash[0]!r} is already in use")
-        for group in seqs:
-            self._open[group[0].request_id] = len(group)
+        self.scheduler.register(seqs)
         return seqs
 
     def _make_seqs(self, request: Request) -> list[SeqState]:
@@ -396,25 +320,25 @@ class RolloutEngine:
         """Admit, prefill, speculate/decode and verify once; returns the samples that finished."""
         t0 = self.clock()
         graphs = self.compiled_graphs
-        decoding = [s for s in self._running if s.kv_len > 0]
+        decoding = [s for s in self.scheduler.running if s.kv_len > 0]
         admitted = self._admit()
         decode = self._plan_decode(decoding) if decoding else None  # proposers run (timed) here
-        prefill = self._plan_prefill(admitted) if admitted else None
+        prefill = plan_prefill(admitted) if admitted else None
         launches = [launch for launch in (prefill, decode) if launch is not None]
         mode: str | None = None  # the decode step's drafting mode (specrl.rollout.decoupled)
         if decode is not None:  # host→device inputs before any forward is queued
-            self._prepare(decode)
+            self.batches.prepare(decode)
             mode = self._mode(decode)
             if mode == "decoupled":  # step t + 1's drafts, beside this verification
                 self._launch_ahead(decode)
         if prefill is not None:
             start = self._stopwatch.mark()
-            self._prepare(prefill)
+            self.batches.prepare(prefill)
             self._run(prefill)
             stop = self._stopwatch.mark()
         if decode is not None:
             self._run(decode)
-        host = self._read_back(launches)  # the step's only device→host transfer
+        host = read_back(launches)  # the step's only device→host transfer
         waited = 0.0
         if self.lookahead is not None and decode is not None:
             t_wait = self.clock()
@@ -463,55 +387,25 @@ class RolloutEngine:
         return finished
 
     def _compact(self) -> None:
-        """Move the sequences in the highest slots into the holes finished ones left, so the
-        running sequences hold slots 0..n−1 (in list order)."""
-        n = len(self._running)
-        holes = sorted(slot for slot in self._free_slots if slot < n)
-        movers = sorted((s for s in self._running if s.slot >= n), key=lambda s: s.slot)
-        if movers:
-            moves = list(zip(movers, holes, strict=True))
+        """Move the sequences in the highest slots into the holes finished ones left (their
+        K/V rows and each proposer's per-slot state), so the running hold slots 0..n−1."""
+        moves = self.scheduler.compact()
+        if moves:
             for p in self.proposers.values():
                 p.move(moves)
-            rows = max(s.kv_len for s in movers)
-            self.cache.copy_slots([s.slot for s in movers], holes, rows)
-            for seq, slot in moves:
-                seq.slot = slot
-        self._running.sort(key=lambda s: s.slot)
-        self._free_slots = list(range(self.max_batch_size - 1, n - 1, -1))
+            rows = max(seq.kv_len for seq, _ in moves)
+            self.cache.copy_slots([seq.slot for seq, _ in moves], [s for _, s in moves], rows)
+        self.scheduler.moved(moves)
 
     def _admit(self) -> list[SeqState]:
-        admitted = []
-        while self._waiting and self._free_slots:
-            seq = self._waiting.popleft()
-            seq.slot = self._free_slots.pop()
+        admitted = self.scheduler.admit()
+        for seq in admitted:
             seq.policy_versions = (self.policy_version, self.policy_version)
-            self._running.append(seq)
-            admitted.append(seq)
             for p in self.proposers.values():
                 p.reset(seq)
         return admitted
 
-    def _plan_prefill(self, seqs: list[SeqState]) -> _Launch:
-        """Prefill each distinct request once; its other samples share the logits row and KV."""
-        leaders: dict[str, int] = {}
-        fed: list[SeqState] = []
-        for s in seqs:
-            if s.request_id not in leaders:
-                leaders[s.request_id] = len(fed)
-                fed.append(s)
-        return _Launch(
-            prefill=True,
-            seqs=seqs,
-            fed=fed,
-            feeder=[leaders[s.request_id] for s in seqs],
-            inputs=[s.tokens[:] for s in fed],
-            drafts=[Draft([]) for _ in seqs],
-            arms=[None] * len(seqs),
-            caps=[0] * len(seqs),
-            num_rows=[1] * len(seqs),
-        )
-
-    def _plan_decode(self, seqs: list[SeqState]) -> _Launch:
+    def _plan_decode(self, seqs: list[SeqState]) -> Launch:
         arms = self.controller.plan(len(seqs))
         drafts = [Draft([]) for _ in seqs]
         caps = [0] * len(seqs)
@@ -541,10 +435,10 @@ class RolloutEngine:
                         f"proposer {name!r} returned {len(got)} drafts for {len(idx)}"
                     )
                 for b, draft in zip(idx, got, strict=True):
-                    drafts[b] = self._checked(name, draft, caps[b])
+                    drafts[b] = checked_draft(name, draft, caps[b], self.vocab_size)
                 want = [caps[b] for b in idx]
                 draft_calls.append((name, sum(want), max(want), spent, queued))
-        return _Launch(
+        return Launch(
             prefill=False,
             seqs=seqs,
             fed=seqs,
@@ -569,10 +463,10 @@ class RolloutEngine:
             if ahead is None:
                 rest.append(b)
             else:
-                drafts[b] = self._checked(name, ahead, caps[b])
+                drafts[b] = checked_draft(name, ahead, caps[b], self.vocab_size)
         return rest
 
-    def _mode(self, decode: _Launch) -> str | None:
+    def _mode(self, decode: Launch) -> str | None:
         """This speculative step's drafting mode, None for a plain step (or no worker)."""
         if self.lookahead is None or all(arm is None for arm in decode.arms):
             return None
@@ -580,7 +474,7 @@ class RolloutEngine:
             return "decoupled"
         return self.mode_choice.choose(len(decode.seqs))
 
-    def _launch_ahead(self, decode: _Launch) -> None:
+    def _launch_ahead(self, decode: Launch) -> None:
         """Hand the worker this step's sequences with their drafts assumed accepted; each asks
         the arm's k for the next step, within max_tokens."""
         assert self.lookahead is not None
@@ -600,196 +494,11 @@ class RolloutEngine:
         self.lookahead.abandon()
         self.lookahead.worker.close()
         self.lookahead = None
-        held = {s.request_id for s in (*self._running, *self._waiting)}
+        held = {s.request_id for s in (*self.scheduler.running, *self.scheduler.waiting)}
         self.abort(sorted(held))
         log.warning("%s; later requests draft coupled (decoupled drafting is off)", exc)
 
-    def _checked(self, name: str, draft: Draft, cap: int) -> Draft:
-        """A proposer's draft cut to ``cap`` tokens, with its ids and q shape validated."""
-        tokens = [int(t) for t in draft.tokens[:cap]]
-        if any(not 0 <= t < self.vocab_size for t in tokens):
-            raise RuntimeError(f"proposer {name!r} drafted a token outside the vocabulary")
-        probs = draft.probs
-        if probs is not None:
-            if (
-                probs.dim() != 2
-                or probs.shape[1] != self.vocab_size
-                or probs.shape[0] < len(tokens)
-            ):
-                raise RuntimeError(
-                    f"proposer {name!r}: draft probs must be [k, {self.vocab_size}], "
-                    f"got {tuple(probs.shape)}"
-                )
-            probs = probs[: len(tokens)]
-        return Draft(tokens, probs)
-
-    def _prepare(self, launch: _Launch) -> None:
-        """Host lists → device tensors for the forward and the verifier.
-
-        Every int64 input (token ids, the packed layout, slots, prefix lengths, logit rows, the
-        verifier's tables) goes into one host list and crosses with one ``torch.tensor``; the
-        entries are views of it (at small batch a step's host cost is mostly per-call overhead).
-        """
-        fed = launch.fed
-        slots_are_prefix = all(s.slot == i for i, s in enumerate(fed))
-        # compiled decode: a uniform [B, M] block (module docstring of specrl.rollout.compiled)
-        padded = self._compiled is not None and not launch.prefill and slots_are_prefix
-        if not launch.prefill and not padded and all(n == 1 for n in launch.num_rows):
-            self._prepare_plain(launch, slots_are_prefix)
-            return
-        lens = [len(x) for x in launch.inputs]
-        width = max(lens)
-        fed_lens = [width] * len(lens) if padded else lens
-        starts, cu = [], [0]
-        for n in fed_lens:
-            starts.append(cu[-1])
-            cu.append(cu[-1] + n)
-        launch.input_starts = starts
-        # logit rows: the last num_rows rows of each sequence's input (prefill: its leader's)
-        logit_rows: list[int] = []
-        row_start: list[int] = []
-        for b, n in enumerate(launch.num_rows):
-            f = launch.feeder[b]
-            row_start.append(len(logit_rows))
-            end = starts[f] + lens[f]
-            logit_rows += range(end - n, end)
-        k1 = launch.k1 = max(launch.num_rows)
-        parts: dict[str, list[int]] = {
-            "ids": [x for seq in launch.inputs for x in (*seq, *[0] * (width - len(seq)))]
-            if padded
-            else [x for seq in launch.inputs for x in seq],
-            "cu_seqlens": cu,
-            "position_ids": [j for n in fed_lens for j in range(n)],
-            "seq_ids": [i for i, n in enumerate(fed_lens) for _ in range(n)],
-            "slots": [s.slot for s in fed],
-            "prefix": [s.kv_len for s in fed],
-            "row_index": [  # [B, K+1]: row of (sequence b, position j), clamped to its last
-                r + min(j, n - 1)
-                for r, n in zip(row_start, launch.num_rows, strict=True)
-                for j in range(k1)
-            ],
-            "num_drafts": [n - 1 for n in launch.num_rows],
-            "draft_tokens": [x for d in launch.drafts for x in (*d.tokens, 0)],
-        }
-        # decode steps verify every fed row, in order: logits of all rows, no index
-        if logit_rows != list(range(cu[-1])):
-            parts["logits_index"] = logit_rows
-        flat = torch.tensor(
-            [x for v in parts.values() for x in v], dtype=torch.int64, device=self.device
-        )
-        t = launch.tensors
-        t.update(zip(parts, flat.split([len(v) for v in parts.values()]), strict=True))
-        t.setdefault("logits_index", None)
-        t["row_index"] = t["row_index"].view(len(launch.seqs), k1)
-        pos = t.pop("position_ids")  # each token's index in its fed run: the offsets too
-        t["layout"] = PackedLayout(t.pop("cu_seqlens"), pos, width, t.pop("seq_ids"), pos)
-        t["max_kv"] = max(s.kv_len + n for s, n in zip(fed, fed_lens, strict=True))
-        # host flags that spare the attention kernel work: slots 0..B−1 slice the cache instead
-        # of gathering it; one new token each at one common position needs no mask
-        t["slots_are_prefix"] = slots_are_prefix
-        t["full_rows"] = all(n == 1 for n in lens) and all(s.kv_len == fed[0].kv_len for s in fed)
-        t["padded"] = padded
-        if padded:  # flags from the block's shape only: no new graph when prefixes align
-            t["full_rows"] = len(fed) == 1 and width == 1
-        t["params"] = self._row_params_of([s.params for s in launch.seqs], launch.num_rows)
-        t["uniforms"] = self._uniforms(launch)
-        if any(d.probs is not None for d in launch.drafts):
-            t["draft_probs"] = self._draft_probs(launch.drafts)  # [R, V]
-
-    def _prepare_plain(self, launch: _Launch, slots_are_prefix: bool) -> None:
-        """:meth:`_prepare` for an eager plain decode step (one token per sequence, no drafts):
-        only the token ids, slots and prefix lengths change from step to step; the layout
-        (B sequences of one token) and the verifier's tables are kept per batch size."""
-        seqs = launch.seqs
-        b = len(seqs)
-        static = self._plain_tables.get(b)
-        if static is None:
-            ar = torch.arange(b + 1, device=self.device)
-            zeros = torch.zeros(b, dtype=torch.int64, device=self.device)
-            layout = PackedLayout(ar, zeros, 1, ar[:b], zeros)
-            static = self._plain_tables[b] = (layout, ar[:b].view(b, 1), zeros)
-        layout, row_index, zeros = static
-        kv = [s.kv_len for s in seqs]
-        flat = torch.tensor(
-            [x[0] for x in launch.inputs] + [s.slot for s in seqs] + kv,
-            dtype=torch.int64,
-            device=self.device,
-        )
-        ids, slots, prefix = flat.split(b)
-        launch.input_starts = list(range(b))
-        launch.k1 = 1
-        t = launch.tensors
-        t.update(
-            ids=ids,
-            slots=slots,
-            prefix=prefix,
-            layout=layout,
-            row_index=row_index,
-            num_drafts=zeros,
-            draft_tokens=zeros,
-            logits_index=None,
-            max_kv=max(kv) + 1,
-            slots_are_prefix=slots_are_prefix,
-            full_rows=all(x == kv[0] for x in kv),
-            padded=False,
-            plain=True,
-        )
-        t["params"] = self._row_params_of([s.params for s in seqs], launch.num_rows)
-        t["uniforms"] = self._uniforms(launch)
-
-    def _row_params_of(self, params: list[SamplingParams], rows: list[int]) -> RowParams:
-        """The launch's :class:`RowParams`: the previous launch's tensors when it had the same
-        (frozen) parameter objects with the same rows each, as most decode steps do."""
-        last = self._row_params
-        if (
-            last is not None
-            and last[1] == rows
-            and len(last[0]) == len(params)
-            and all(a is b for a, b in zip(last[0], params, strict=True))
-        ):
-            return last[2]
-        built = RowParams.build(params, rows, self.device)
-        self._row_params = (params, list(rows), built)
-        return built
-
-    def _draft_probs(self, drafts: list[Draft]) -> torch.Tensor:
-        """[R, V] q of every verified row, sequences packed as the logit rows: a draft's probs,
-        one-hot for a probs-less draft, zeros on each sequence's last (bonus) row.  Built with a
-        fixed handful of ops whatever the batch size."""
-        dtype = torch.float64 if self.model.dtype == torch.float64 else torch.float32  # as p
-        prob_rows, probs, hot_rows, hot_ids = [], [], [], []
-        row = 0
-        for d in drafts:
-            k = len(d.tokens)
-            if d.probs is not None:
-                prob_rows += range(row, row + k)
-                probs.append(d.probs)
-            else:
-                hot_rows += range(row, row + k)
-                hot_ids += d.tokens
-            row += k + 1
-        q = torch.zeros(row, self.vocab_size, dtype=dtype, device=self.device)
-        if hot_rows:
-            index = torch.tensor([hot_rows, hot_ids], dtype=torch.int64, device=self.device)
-            q[index[0], index[1]] = 1.0
-        rows = torch.tensor(prob_rows, dtype=torch.int64, device=self.device)
-        q.index_copy_(0, rows, torch.cat(probs).to(self.device, dtype))
-        return q
-
-    def _uniforms(self, launch: _Launch) -> torch.Tensor:
-        """[R, 2] uniforms: each sequence's rows from its own generator (zeros when greedy)."""
-        dev = self.device
-        if all(s.generator is None for s in launch.seqs):
-            return torch.zeros(sum(launch.num_rows), 2, device=dev)
-        parts = [
-            torch.zeros(n, 2, device=dev)
-            if s.generator is None
-            else torch.rand(n, 2, generator=s.generator, device=dev)
-            for s, n in zip(launch.seqs, launch.num_rows, strict=True)
-        ]
-        return torch.cat(parts, dim=0)
-
-    def _run(self, launch: _Launch) -> None:
+    def _run(self, launch: Launch) -> None:
         """The target forward and on-device verification (no host sync)."""
         t = launch.tensors
         cache = CacheBatch(
@@ -814,7 +523,9 @@ class RolloutEngine:
                 fused=self.fused,
             )
         if launch.prefill:
-            self._share_prefix_kv(launch)
+            copies = shared_prefix(launch)
+            if copies is not None:
+                self.cache.copy_slots(*copies)
             for c in self._counting():
                 c.prefill_forwards += 1
         else:
@@ -842,53 +553,8 @@ class RolloutEngine:
             "taps": out.taps,  # layer → [T, H]
         }
 
-    def _share_prefix_kv(self, launch: _Launch) -> None:
-        """Copy each leader's prompt K/V into the slots of the request's other samples."""
-        pairs = [
-            (launch.fed[f].slot, s.slot)
-            for s, f in zip(launch.seqs, launch.feeder, strict=True)
-            if launch.fed[f] is not s
-        ]
-        if pairs:
-            rows = max(len(s.tokens) for s in launch.seqs)
-            self.cache.copy_slots([a for a, _ in pairs], [b for _, b in pairs], rows)
-
-    def _read_back(self, launches: list[_Launch]) -> list[dict[str, list]]:
-        parts = []
-        for launch in launches:
-            o = launch.out
-            parts += [
-                o["tokens"].flatten().double(),
-                o["num_accepted"].double(),
-                o["logprobs"].flatten().double(),
-                o["policy_logprobs"].flatten().double(),
-            ]
-        flat = torch.cat(parts).tolist() if parts else []
-        out, pos = [], 0
-        for launch in launches:
-            b, k1 = len(launch.seqs), launch.k1
-
-            def take(n: int) -> list[float]:
-                nonlocal pos
-                pos += n
-                return flat[pos - n : pos]
-
-            tokens = take(b * k1)
-            acc = take(b)
-            lp = take(b * k1)
-            plp = take(b * k1)
-            out.append(
-                {
-                    "tokens": [[int(x) for x in tokens[i * k1 : (i + 1) * k1]] for i in range(b)],
-                    "num_accepted": [int(x) for x in acc],
-                    "logprobs": [lp[i * k1 : (i + 1) * k1] for i in range(b)],
-                    "policy_logprobs": [plp[i * k1 : (i + 1) * k1] for i in range(b)],
-                }
-            )
-        return out
-
     # ---------------------------------------------------------------------- bookkeeping
-    def _apply(self, launch: _Launch, host: dict[str, list]) -> list[Result]:
+    def _apply(self, launch: Launch, host: dict[str, list]) -> list[Result]:
         accepted_all, committed = [], []
         counting = self._counting()
         for b, seq in enumerate(launch.seqs):
@@ -914,7 +580,7 @@ class RolloutEngine:
                 seq.logprobs.append(host["logprobs"][b][j])
                 seq.policy_logprobs.append(host["policy_logprobs"][b][j])
                 appended += 1
-                if self._stopped(seq, tok):
+                if stopped(seq, tok, self.eos_token_ids, self.codec):
                     break
             for c in counting:
                 c.tokens += appended
@@ -923,55 +589,19 @@ class RolloutEngine:
             committed.append(seq.prompt_len if launch.prefill else appended)
             seq.kv_len += committed[-1]
         if self.proposers:
-            taps = self._committed_taps(launch, committed)
+            taps = committed_taps(launch, committed, self.tap_layers)
             for p in self.proposers.values():
                 p.observe(launch.seqs, accepted_all, taps, committed)
         return [self._finish(s) for s in launch.seqs if s.finish_reason is not None]
 
-    def _committed_taps(
-        self, launch: _Launch, committed: list[int]
-    ) -> dict[int, torch.Tensor] | None:
-        """Tap rows of the committed positions, sequences in batch order; [Σ committed, H]."""
-        if not self.tap_layers:
-            return None
-        taps = launch.out["taps"]
-        if not launch.prefill and sum(committed) == next(iter(taps.values())).shape[0]:
-            return taps  # each sequence kept every row it fed (a plain step): no gather
-        starts = [launch.input_starts[f] for f in launch.feeder]
-        rows = [
-            r for start, n in zip(starts, committed, strict=True) for r in range(start, start + n)
-        ]
-        if rows == list(range(next(iter(taps.values())).shape[0])):
-            return taps  # every fed row kept, in order: no gather
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        return {layer: h.index_select(0, index) for layer, h in taps.items()}
-
-    def _stopped(self, seq: SeqState, token: int) -> bool:
-        """Mark ``seq`` finished if ``token`` (just appended) ends it."""
-        p = seq.params
-        if token in self.eos_token_ids or token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif p.stop:
-            assert self.codec is not None
-            hit = stop_string_hit(self.codec.decode, seq.tokens, seq.prompt_len, p.stop)
-            if hit is not None:
-                seq.finish_reason, seq.stop_reason, seq.text = "stop", hit[1], hit[0]
-        if seq.finish_reason is None and seq.num_output >= p.max_tokens:
-            seq.finish_reason = "length"
-        return seq.finish_reason is not None
-
     def _finish(self, seq: SeqState) -> Result:
-        self._running.remove(seq)
-        self._free_slots.append(seq.slot)
+        self.scheduler.release(seq)
         for p in self.proposers.values():
             p.release(seq)
         if self.lookahead is not None:
             self.lookahead.release(seq)
         for c in self._counting():
             c.finished += 1
-        self._open[seq.request_id] -= 1
-        if not self._open[seq.request_id]:
-            del self._open[seq.request_id]
         if seq.text is None:
             seq.text = self.codec.decode(seq.output) if self.codec is not None else ""
         stats = seq.stats.to_dict()
@@ -991,7 +621,7 @@ class RolloutEngine:
             policy_versions=seq.policy_versions,
         )
 
-    def _learn(self, launch: _Launch, host: dict[str, list], timed: bool = True) -> None:
+    def _learn(self, launch: Launch, host: dict[str, list], timed: bool = True) -> None:
         """Feed the drafting cost models (``timed``: the step's times are samples), then the
         acceptance estimates: one verification per sequence that was allowed to draft."""
         for name, tokens, _, seconds, queued in launch.draft_calls if timed else ():
@@ -1108,8 +738,8 @@ class RolloutEngine:
             "draft_version": self.draft_version,
             **self._total.to_dict(),
             "compiled_graphs": self.compiled_graphs,
-            "running": len(self._running),
-            "waiting": len(self._waiting),
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
             # a proposer's own state (EAGLE-3: its draft temperature scale), where it has any
             "drafters": {name: stats for name, p in self.proposers.items() if (stats := p.stats())},
             "gating": self.controller.to_dict(),

@@ -91,8 +91,9 @@ class SpecController:
 
     Probes keep S measured, about a ``probe`` share of the steps: while a batch size is off,
     one step speculates — a slice of ⌈B/8⌉ sequences when even an optimistic S could not turn
-    the gate on (acceptance stays fresh, new weights may pay), the whole batch when it might
-    (the measurement then lands where the decision needs it); while on, one step runs plain.
+    the gate on (acceptance stays fresh, new weights may pay), the whole batch with the arm the
+    decision ranks first when it might (the measurement then lands where the decision needs
+    it), spaced by its predicted cost (:meth:`_priced`); while on, one step runs plain.
     A cold engine measures one plain step, then probes a slice: it never pays a full
     speculative step at a batch size before a measurement says it could pay.
     """
@@ -131,7 +132,7 @@ class SpecController:
         # prices change only with them (:meth:`_priced`)
         self._measured = 0
         self._prices_key: tuple[int, int] | None = None
-        self._prices: tuple[dict[Arm, float], float] = ({}, 1.0)
+        self._prices: tuple[dict[Arm, float], float, bool] = ({}, 1.0, False)
         self.counts = {"spec_steps": 0, "plain_steps": 0, "probe_steps": 0, "since_probe": 0}
         self.selections = {str(a): 0 for a in self.arms}
 
@@ -158,8 +159,8 @@ class SpecController:
             return self._plain()  # a plain step first: the baseline
         if not self.target[True].observations:
             self.counts["probe_steps"] += 1
-            return self._probe(batch_size, whole=False)
-        rates, price = self._priced(batch_size)
+            return self._probe(batch_size)
+        rates, price, whole = self._priced(batch_size)
         on = self.gate.decide(batch_size, self._speedup(batch_size, rates))
         self.counts["since_probe"] += 1
         wait = self._spacing * (1.0 if on else price)
@@ -169,28 +170,45 @@ class SpecController:
         self.counts["probe_steps"] += 1
         if on:
             return self._plain()
-        optimistic = self._speedup(batch_size, self._rates(batch_size, True), True)
-        return self._probe(batch_size, whole=optimistic > 1 + self.gate.hysteresis)
+        if whole:  # the best arm, priced as the decision prices it, on the whole batch
+            arm = max(rates, key=rates.__getitem__)
+            return self._spec(batch_size, [arm], rates)
+        return self._probe(batch_size)
 
-    def _priced(self, batch_size: int) -> tuple[dict[Arm, float], float]:
-        """(:meth:`_rates`, :meth:`_probe_price`) at ``batch_size``, kept until a speculative
-        measurement changes them: while the gate is off a step costs a lookup, not a pricing."""
+    def _priced(self, batch_size: int) -> tuple[dict[Arm, float], float, bool]:
+        """(:meth:`_rates`, the next gate-off probe's price in plain steps, whether it takes
+        the whole batch), kept until a speculative measurement changes them: while the gate is
+        off a step costs a lookup, not a pricing.
+
+        The probe takes the whole batch where even the optimistic S could turn the gate on
+        (the measurement then lands where the decision needs it), with the arm the decision
+        ranks first; else a slice.  Its price p = its predicted seconds / a plain step's (≥ 1)
+        spaces probes p times wider, so probing costs about a ``probe`` share of the time."""
         key = (batch_size, self._measured)
         if self._prices_key != key:
-            self._prices = (self._rates(batch_size), self._probe_price(batch_size))
+            rates = self._rates(batch_size)
+            optimistic = self._speedup(batch_size, self._rates(batch_size, True), True)
+            whole = optimistic > 1 + self.gate.hysteresis
+            plain = self.target[False].predict(batch_size) or 0.0
+            if whole:
+                best = max(rates, key=rates.__getitem__)
+                tau = self.accept[best.proposer].estimate(best.k)[0]
+                seconds = batch_size * tau / rates[best] if rates[best] > 0 else 0.0
+            else:
+                seconds = self._slice_seconds(batch_size)
+            price = max(1.0, seconds / plain) if plain > 0 else 1.0
+            self._prices = (rates, price, whole)
             self._prices_key = key
         return self._prices
 
-    def _probe_price(self, batch_size: int) -> float:
-        """A slice probe's predicted seconds in plain steps' (≥ 1): probes of a dear drafter
-        wait as many times longer, so probing costs about a ``probe`` share of the time."""
-        m, plain = -(-batch_size // 8), self.target[False].predict(batch_size) or 0.0
-        worst = 0.0
+    def _slice_seconds(self, batch_size: int) -> float:
+        """Predicted seconds of a slice probe with its dearest arm."""
+        m, worst = -(-batch_size // 8), 0.0
         for arm in self.arms:
             rows = batch_size + m * arm.k
             draft = self.drafting[arm.proposer].predict(m * arm.k) or 0.0
             worst = max(worst, (self.target[True].predict(rows) or 0.0) + draft)
-        return max(1.0, worst / plain) if plain > 0 else 1.0
+        return worst
 
     def _rates(self, batch_size: int, optimistic: bool = False) -> dict[Arm, float]:
         """Each arm's value v (tokens per second of the whole batch, class docstring)."""
@@ -226,11 +244,10 @@ class SpecController:
         self.selections[str(arm)] += batch_size
         return [arm] * batch_size
 
-    def _probe(self, batch_size: int, whole: bool) -> list[Arm | None]:
-        """A speculative probe: the whole batch, or a slice of ⌈B/8⌉ sequences (rotating)."""
+    def _probe(self, batch_size: int) -> list[Arm | None]:
+        """A slice probe: ⌈B/8⌉ sequences (rotating) draft with the bandit's arm (young
+        proposers their longest k), the others plain."""
         arms = self._spec(batch_size, self.arms)
-        if whole:
-            return arms
         m = -(-batch_size // 8)
         self.selections[str(arms[0])] -= batch_size - m
         start = self.counts["spec_steps"] * m % batch_size

@@ -21,7 +21,9 @@ One step (:meth:`RLTrainer.step`):
    loss weight, learning-rate warm-up), then the draft's embedding follows the policy;
 4. **sync** — versioned ``update_weights`` of policy and draft into the engine, verified by a
    parameter checksum; the engine's stale-draft alarm watches τ afterwards;
-5. **metrics** (``metrics.jsonl``), **checkpoint** (atomic; every N steps and on SIGTERM/SIGINT).
+5. **metrics** (``metrics.jsonl``; with the train/inference mismatch, |Δ log p| between the
+   engine's and the trainer's logprobs of the step's rollout tokens,
+   :mod:`specrl.train.mismatch`), **checkpoint** (atomic; every N steps and on SIGTERM/SIGINT).
 
 Parallel layouts (``torchrun`` with dp × cp × pp processes): each replica's rollout rank rolls
 out its slice of the prompts and shares the samples with the replica; the strategy says how the
@@ -65,6 +67,7 @@ from specrl.train.batch import Sample
 from specrl.train.evaluate import evaluate
 from specrl.train.layout import TrainLayout, check_model, check_split, setup_distributed
 from specrl.train.metrics import MetricsWriter
+from specrl.train.mismatch import logprob_gap
 from specrl.train.parallelize import check_backend, parallelize_policy
 from specrl.train.rundir import RunDirLock
 from specrl.train.state_io import (
@@ -378,6 +381,12 @@ class RLTrainer:
             samples, counters = exp.score(self.task, prompts, results, r.n, self.recipe.algo)
             stats = results.stats
         t_rollout = time.perf_counter() - t0
+        gap: dict[str, Any] = {}
+        if samples is not None:  # the rollout rank
+            # the trainer's weights in a plain module: the policy itself in one process; under
+            # parallelism (hooks, stages) the embedded engine's copy, checksum-equal to it
+            plain = self.policy if self.world == 1 or self.vllm else self.engine.model
+            gap = logprob_gap(plain, samples, r.temperature, self.pad_id)
         samples = lay.share(samples)
         upd = self.update(samples)
         t0 = time.perf_counter()
@@ -389,6 +398,7 @@ class RLTrainer:
             "step": step + 1,
             **exp.rollout_metrics(summed, stats, t_rollout),
             **exp.wave_metrics(results),
+            **gap,  # this replica's (rank 0's, in the metrics file)
             **upd,
             "time_rollout": t_rollout,
             "time_sync": t_sync,

@@ -77,6 +77,9 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     for k in ("reward", "tau", "rollout_tokens_per_s", "draft_sim_tau"):
         out[f"{k}_start"] = mean(head, k)
         out[f"{k}_end"] = mean(tail, k)
+    gaps = [r["logp_gap_max"] for r in recs if r.get("logp_gap_max") is not None]
+    if gaps:  # the worst train/inference mismatch of the run
+        out["logp_gap_max"] = max(gaps)
     evals = [r["heldout_accuracy"] for r in recs if "heldout_accuracy" in r]
     if evals:
         out["heldout_accuracy_last"] = evals[-1]
