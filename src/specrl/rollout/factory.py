@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +99,11 @@ def build_embedded(
     seed: int = 0,
     max_model_len: int | None = None,
     clock: Callable[[], float] | None = None,
+    eos_token_ids: Sequence[int] | None = None,
 ) -> RolloutEngine:
-    """specrl's own engine (arguments as :func:`build_engine`)."""
+    """specrl's own engine (arguments as :func:`build_engine`; ``eos_token_ids``: the tokens
+    that end a sample, default the model's — ``()`` decodes to ``max_tokens``, as benchmarks
+    do)."""
     if isinstance(policy, Transformer):
         model = copy.deepcopy(policy).eval()
     else:
@@ -108,6 +111,8 @@ def build_embedded(
         codec = codec or own_codec
     spec = spec_config(rollout.speculation, draft)
     kwargs: dict[str, Any] = {} if clock is None else {"clock": clock}
+    if eos_token_ids is not None:
+        kwargs["eos_token_ids"] = eos_token_ids
     return RolloutEngine(
         model,
         codec=codec,
