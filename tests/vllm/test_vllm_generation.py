@@ -176,8 +176,10 @@ def test_draft_update_reaches_the_drafter(toy_pair, eagle3, caplog):
     good, _ = load_draft(toy_pair.drafts["reduced"], target)
     state = draft_state(good)
     gen = torch.Generator().manual_seed(0)
+    # rows of the head and of fc permuted: the draft proposes the wrong tokens (an alarm-worthy
+    # τ ≈ 1, below the alarm's 1.05), yet every tensor keeps its shape and loads
     scrambled = {
-        n: (t[torch.randperm(t.shape[0], generator=gen)] if n.startswith(("fc.", "midlayer.mlp"))
+        n: (t[torch.randperm(t.shape[0], generator=gen)] if n.startswith(("fc.", "lm_head."))
             else t)
         for n, t in state.items()
     }  # fmt: skip
@@ -187,7 +189,7 @@ def test_draft_update_reaches_the_drafter(toy_pair, eagle3, caplog):
     assert eagle3.draft_version == 1 and eagle3.last_sync["tensors_verified"] > 0
     with caplog.at_level("WARNING", logger="specrl.rollout"):
         bad = eagle3.generate(reqs + reqs)
-    assert bad.stats["spec"]["tau"] < 1.15, bad.stats["spec"]
+    assert bad.stats["spec"]["tau"] < 1.05, bad.stats["spec"]
     assert bad.stats["alarms"] >= 1 and "speculation alarm" in caplog.text
     eagle3.update_weights(draft=state, version=2)
     after = eagle3.generate(reqs).stats["spec"]["tau"]
