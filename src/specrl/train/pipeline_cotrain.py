@@ -83,6 +83,7 @@ from specrl.train.strategy import (
     DraftResult,
     MinibatchOutput,
     Objective,
+    clip_on_last_stage,
     follow_embedding,
 )
 from specrl.train.ttt import (
@@ -668,13 +669,7 @@ class PipelineStrategy:
 
     def clip_draft_(self, params: Sequence[nn.Parameter], max_norm: float) -> float:
         """The norm on the last stage (which holds the draft), sent along the pipeline."""
-        norm = torch.full((), float("nan"), dtype=torch.float64, device=self.layout.device)
-        if params:
-            norm.fill_(float(torch.nn.utils.clip_grad_norm_(list(params), max_norm or torch.inf)))
-        groups = self.layout.groups
-        assert groups is not None
-        dist.broadcast(norm, src=groups.ranks("pp")[-1], group=groups["pp"])
-        return float(norm)
+        return clip_on_last_stage(self.layout, params, max_norm)
 
     def after_step(self) -> None:
         self.stage_sync.broadcast_embedding()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from specrl.config.schema import Recipe
@@ -189,6 +190,20 @@ def follow_embedding(draft: Eagle3Draft | None, policy: Transformer) -> None:
 
 def _clip(params: Sequence[nn.Parameter], max_norm: float) -> float:
     return float(torch.nn.utils.clip_grad_norm_(list(params), max_norm or torch.inf))
+
+
+def clip_on_last_stage(
+    layout: TrainLayout, params: Sequence[nn.Parameter], max_norm: float
+) -> float:
+    """Clip the draft's gradients where the draft lives (the last pipeline stage) and broadcast
+    the norm along the pipeline, so every stage logs the same figure."""
+    norm = torch.full((), float("nan"), dtype=torch.float64, device=layout.device)
+    if params:
+        norm.fill_(_clip(params, max_norm))
+    groups = layout.groups
+    assert groups is not None
+    dist.broadcast(norm, src=groups.ranks("pp")[-1], group=groups["pp"])
+    return float(norm)
 
 
 class NativeStrategy:

@@ -63,7 +63,13 @@ from specrl.models.decoder import Transformer
 from specrl.models.draft import Eagle3Draft
 from specrl.train.batch import PackedBatch, Sample, pack
 from specrl.train.layout import TrainLayout
-from specrl.train.strategy import DraftMode, DraftResult, MinibatchOutput, Objective
+from specrl.train.strategy import (
+    DraftMode,
+    DraftResult,
+    MinibatchOutput,
+    Objective,
+    clip_on_last_stage,
+)
 from specrl.train.ttt import TTTInputs, teacher_from_logits, ttt_inputs, ttt_loss
 
 MegatronSchedule = Literal["1f1b", "interleaved"]
@@ -453,13 +459,7 @@ class MegatronStrategy:
 
     def clip_draft_(self, params: Sequence[nn.Parameter], max_norm: float) -> float:
         """The norm on the last stage (which holds the draft), sent along the pipeline."""
-        norm = torch.full((), float("nan"), dtype=torch.float64, device=self.layout.device)
-        if params:
-            norm.fill_(float(torch.nn.utils.clip_grad_norm_(list(params), max_norm or torch.inf)))
-        groups = self.layout.groups
-        assert groups is not None
-        dist.broadcast(norm, src=groups.ranks("pp")[-1], group=groups["pp"])
-        return float(norm)
+        return clip_on_last_stage(self.layout, params, max_norm)
 
     def after_step(self) -> None:
         """The draft's frozen embedding refreshed from stage 0's word embedding (the last
