@@ -71,7 +71,7 @@ from specrl.rollout.batch import (
     shared_prefix,
 )
 from specrl.rollout.compiled import Compiled, CompiledDecode
-from specrl.rollout.decoupled import DrafterError, DraftWorker, Lookahead, ModeChoice
+from specrl.rollout.decoupled import DrafterError, DraftWorker, Lookahead, supports_ahead
 from specrl.rollout.gating import SpecController
 from specrl.rollout.metrics import AcceptanceAlarm, Counters
 from specrl.rollout.proposers import Proposer, ProposerContext, SupportsWeights, build_proposer
@@ -168,16 +168,10 @@ class RolloutEngine:
             for name in spec.proposers
         }
         self.tap_layers = tuple(sorted({t for p in self.proposers.values() for t in p.tap_layers}))
-        self.controller = SpecController(
-            spec, list(self.proposers), seed=seed, padded=self._compiled is not None
-        )
         self.alarm = AcceptanceAlarm(spec.alarm_window, spec.alarm_tau)
         self.lookahead: Lookahead | None = None
-        self.mode_choice: ModeChoice | None = None
         if spec.decoupled not in (False, True, "auto"):
             raise ConfigError(f"decoupled must be true, false or 'auto', got {spec.decoupled!r}")
-        if spec.decoupled == "auto" and self.proposers:
-            self.mode_choice = ModeChoice(spec.epsilon, seed)
         if spec.decoupled and self.proposers:
             try:
                 worker = DraftWorker(
@@ -186,6 +180,10 @@ class RolloutEngine:
             except ValueError as e:
                 raise ConfigError(f"speculation settings: {e}") from None
             self.lookahead = Lookahead(worker, seed)
+        ahead = [n for n, p in self.proposers.items() if self.lookahead and supports_ahead(p)]
+        self.controller = SpecController(
+            spec, list(self.proposers), seed=seed, padded=self._compiled is not None, ahead=ahead
+        )
         self.policy_version = 0
         self.draft_version = 0
         self._rng = random.Random(seed)
@@ -325,7 +323,7 @@ class RolloutEngine:
         decode = self._plan_decode(decoding) if decoding else None  # proposers run (timed) here
         prefill = plan_prefill(admitted) if admitted else None
         launches = [launch for launch in (prefill, decode) if launch is not None]
-        mode: str | None = None  # the decode step's drafting mode (specrl.rollout.decoupled)
+        mode = "plain"  # the decode step's mode (specrl.rollout.gating.MODES)
         if decode is not None:  # host→device inputs before any forward is queued
             self.batches.prepare(decode)
             mode = self._mode(decode)
@@ -379,11 +377,10 @@ class RolloutEngine:
                     target -= self._stopwatch.seconds(start, stop)
             tokens = sum(decode.num_rows)
             rows = len(decode.seqs) * max(decode.num_rows) if decode.tensors["padded"] else tokens
-            self.controller.record_step(rows, target, tokens > len(decode.seqs))
-            if self.mode_choice is not None and mode is not None and timed:
-                emitted = sum(n + 1 for n in host[-1]["num_accepted"])
-                self.mode_choice.record(len(decode.seqs), mode, emitted, seconds)
-            self._learn(decode, host[-1], timed)
+            self.controller.record_step(
+                rows, target, mode if tokens > len(decode.seqs) else "plain"
+            )
+            self._learn(decode, host[-1], timed, mode, waited)
         return finished
 
     def _compact(self) -> None:
@@ -466,13 +463,12 @@ class RolloutEngine:
                 drafts[b] = checked_draft(name, ahead, caps[b], self.vocab_size)
         return rest
 
-    def _mode(self, decode: Launch) -> str | None:
-        """This speculative step's drafting mode, None for a plain step (or no worker)."""
-        if self.lookahead is None or all(arm is None for arm in decode.arms):
-            return None
-        if self.mode_choice is None:
-            return "decoupled"
-        return self.mode_choice.choose(len(decode.seqs))
+    def _mode(self, decode: Launch) -> str:
+        """The step's mode: plain, or its arm's (one arm per step: the gate's choice)."""
+        arm = next((a for a in decode.arms if a is not None), None)
+        if arm is None:
+            return "plain"
+        return "decoupled" if arm.ahead and self.lookahead is not None else "coupled"
 
     def _launch_ahead(self, decode: Launch) -> None:
         """Hand the worker this step's sequences with their drafts assumed accepted; each asks
@@ -494,6 +490,7 @@ class RolloutEngine:
         self.lookahead.abandon()
         self.lookahead.worker.close()
         self.lookahead = None
+        self.controller.drop_ahead()
         held = {s.request_id for s in (*self.scheduler.running, *self.scheduler.waiting)}
         self.abort(sorted(held))
         log.warning("%s; later requests draft coupled (decoupled drafting is off)", exc)
@@ -621,10 +618,19 @@ class RolloutEngine:
             policy_versions=seq.policy_versions,
         )
 
-    def _learn(self, launch: Launch, host: dict[str, list], timed: bool = True) -> None:
-        """Feed the drafting cost models (``timed``: the step's times are samples), then the
-        acceptance estimates: one verification per sequence that was allowed to draft."""
-        for name, tokens, _, seconds, queued in launch.draft_calls if timed else ():
+    def _learn(
+        self, launch: Launch, host: dict[str, list], timed: bool, mode: str, waited: float
+    ) -> None:
+        """Feed the drafting cost models (``timed``: the step's times are samples; decoupled:
+        what the target waited for, the worker's lag and the redrafts), then the acceptance
+        estimates: one verification per sequence that was allowed to draft."""
+        calls = launch.draft_calls if timed else []
+        if timed and mode == "decoupled":
+            arm = next(a for a in launch.arms if a is not None)
+            spent, queued = sum(c[3] for c in calls) + waited, sum(c[4] for c in calls)
+            self.controller.record_draft(arm.proposer, sum(launch.caps), spent, queued, True)
+            calls = []
+        for name, tokens, _, seconds, queued in calls:
             self.controller.record_draft(name, tokens, seconds, queued)
         for b, arm in enumerate(launch.arms):
             if arm is None or launch.caps[b] <= 0:
@@ -745,12 +751,7 @@ class RolloutEngine:
             "gating": self.controller.to_dict(),
             "alarm_tau": dict(self.alarm.last),
             "alarm_armed": self.alarm.armed,
-            "decoupled": None
-            if self.lookahead is None
-            else {
-                **self.lookahead.to_dict(),
-                "modes": self.mode_choice.to_dict() if self.mode_choice is not None else None,
-            },
+            "decoupled": None if self.lookahead is None else self.lookahead.to_dict(),
         }
 
     # ---------------------------------------------------------------------- resumable state

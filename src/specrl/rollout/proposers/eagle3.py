@@ -172,6 +172,7 @@ class TemperatureScale:
 
 class Eagle3Proposer(ProposerBase):
     name = "eagle3"
+    ahead_safe = True  # :meth:`propose_ahead` continues its chain on the drafter worker
 
     def __init__(
         self,
