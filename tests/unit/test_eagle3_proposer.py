@@ -209,7 +209,7 @@ def test_a_compiled_round_is_continued_ahead_exactly():
     spec = SpecConfig(proposers=("eagle3",), max_k=8, gate=False, proposer_options=options)
 
     def prefilled():
-        engine = make_engine(target, max_batch_size=3, spec=spec, compile=True)
+        engine = make_engine(target, max_batch_size=3, spec=spec, compile=True, guard_check_every=1)
         engine.add_requests([Request(PROMPTS[0], params), Request(PROMPTS[3], params)])
         engine.step()  # prefill: the proposer holds the prompts' taps
         prop, starts = engine.proposers["eagle3"], []
