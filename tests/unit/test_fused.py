@@ -159,6 +159,9 @@ def test_fused_plan_follows_replaced_modules_parameters_and_layout():
         fused.set_cpu_layout(model, layout)
         assert plan.get(model).layers[0].transposed == (layout == "transposed")
         _assert_fresh(model)
+    with pytest.raises(ValueError, match="cpu_layout must be one of"):
+        fused.set_cpu_layout(model, "columns")
+    assert plan.cpu_layout == "transposed"  # a refused layout changes nothing
     assert plan.get(model) is not built
 
 
