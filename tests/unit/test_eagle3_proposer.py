@@ -194,10 +194,13 @@ def test_backlog_counts_the_positions_the_draft_has_not_seen():
     assert 2 <= prop.backlog(list(running.values())) <= 2 * 3  # then what it committed
 
 
-@pytest.mark.skipif(
+needs_cxx = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,
     reason="torch.compile on CPU needs a C++ compiler",
 )
+
+
+@needs_cxx
 def test_a_compiled_round_is_continued_ahead_exactly():
     """A compiled round (the whole batch in every pass, shorter chains cut afterwards) keeps
     its chains' ends as an eager round does: k compiled tokens, then k' drafted ahead, are the
@@ -233,6 +236,48 @@ def test_a_compiled_round_is_continued_ahead_exactly():
         q = torch.cat([short[b].probs, ahead[b].probs])
         torch.testing.assert_close(q, long[b].probs[: k + k2], rtol=0, atol=1e-12)
     assert len(set(long[0].tokens)) > 1  # a chain that depends on its rows
+
+
+class _CallSpy:
+    """A callable's stand-in that counts its calls (every other attribute is the callable's)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+@needs_cxx
+def test_decoupled_drafting_continues_compiled_rounds():
+    """In a compiled engine: a target and draft that both always pick token 0 (zeroed output
+    heads) accept every draft and every guess, so the steps after a compiled round draft ahead
+    from its chains' ends (a compiled round used to keep none: nothing to continue)."""
+    target, draft = make_pair(seed=4, vocab=43)  # the shapes of the test above: its graphs
+    draft.set_vocab_map(torch.arange(29))  # draft id 0 is token 0
+    with torch.no_grad():
+        target.lm_head.weight.zero_()
+        draft.lm_head.weight.zero_()
+    spec = SpecConfig(
+        proposers=("eagle3",),
+        max_k=3,
+        draft_lengths=(3,),
+        gate=False,
+        decoupled=True,
+        proposer_options={"eagle3": {"draft": draft}},
+    )
+    engine = make_engine(target, max_batch_size=2, spec=spec, compile=True, guard_check_every=1)
+    prop = engine.proposers["eagle3"]
+    prop._compiled_start = start = _CallSpy(prop._compiled_start)  # a compiled round's start
+    out = engine.generate([Request(p, greedy(30)) for p in PROMPTS[:3]])
+    assert all(r.tokens == [0] * 30 for r in out)
+    assert start.calls  # each sequence's first round (and any after a miss) ran compiled
+    d = engine.stats()["decoupled"]
+    assert d["hits"] >= 0.7 * d["launched"] > 0
 
 
 @pytest.mark.parametrize("bad", [0, -0.5, "hot", True, None])
