@@ -37,7 +37,7 @@ def vllm_marks() -> list[pytest.MarkDecorator]:
     return [
         pytest.mark.vllm,
         pytest.mark.skipif(not HAVE_VLLM, reason=SKIP_REASON),
-        pytest.mark.timeout(3600),
+        pytest.mark.timeout(2400),
     ]
 
 
@@ -90,8 +90,8 @@ def toy_pair(tmp_path_factory) -> ToyPair:
         # init-draft's default vocabulary is the target's (99 tokens for the toy)
         report = _cli(
             "init-draft", "--target", str(target), "--out", str(drafts["full"]),
-            "--recipe", str(RECIPE), "--prompts", "64", "--steps", "60", "--ttt-steps", "3",
-            "--batch-size", "16", "--eval-k", "3", "--eval-prompts", "32",
+            "--recipe", str(RECIPE), "--prompts", "64", "--steps", "30", "--ttt-steps", "3",
+            "--batch-size", "16", "--eval-k", "3", "--eval-prompts", "8",
         )  # fmt: skip
         sim = float(report["heldout_tau_after"])
     for name, draft in drafts.items():
