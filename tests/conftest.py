@@ -12,18 +12,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _check_every_direct_call() -> None:
-    """Every direct call of a compiled graph class first evaluates its entry's guards in full
-    (``specrl.rollout.compiled.CHECK_EVERY``): the compiled-engine tests then prove that each
-    graph-class key names every fact its graph depends on."""
-    import specrl.rollout.compiled as compiled
-
-    compiled.CHECK_EVERY = 1
-
-
-_check_every_direct_call()
-
-
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``):

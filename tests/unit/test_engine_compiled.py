@@ -19,9 +19,18 @@ from specrl.models.generate import generate
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 from specrl.rollout.compiled import _ENTRIES
 from tests.unit.test_draft import make_pair
-from tests.unit.test_engine import PROMPTS, greedy, make_engine, tiny
+from tests.unit.test_engine import PROMPTS, greedy, tiny
+from tests.unit.test_engine import make_engine as _make_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def make_engine(model, **kwargs) -> RolloutEngine:
+    """``test_engine.make_engine`` with every guard-free call of a compiled graph class checked
+    first: the compiled-engine tests prove that each class's key names every fact its graph
+    depends on."""
+    return _make_engine(model, guard_check_every=1, **kwargs)
+
 
 needs_cxx = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,
@@ -236,7 +245,7 @@ def test_warmup_covers_the_eagle3_drafter_greedy_and_sampled():
 def test_every_graph_class_stays_direct_engine_after_engine():
     """Engines built one after another on one target share dynamo's graphs, while a fresh
     draft's host caches (its RoPE tables) start empty.  With every direct call's guards checked
-    (the suite's CHECK_EVERY = 1), no graph class of any compiled callable may fall back to
+    (``guard_check_every=1``), no graph class of any compiled callable may fall back to
     guarded calls: the classes' keys name every fact the graphs depend on."""
     target, _ = make_pair()
     params = [greedy(10), SamplingParams(max_tokens=10, temperature=1.0, seed=3)]
@@ -260,9 +269,8 @@ def test_compilation_time_stays_out_of_the_gate_cost_model():
     such sample among milliseconds would make plain or speculative steps look slow for the
     whole fit window).  Real clock, a model of its own so its graphs compile here."""
     model = tiny(seed=1, vocab=37)
-    engine = RolloutEngine(
-        model, max_batch_size=3, spec=SpecConfig(proposers=["ngram"], max_k=3), compile=True
-    )
+    spec = SpecConfig(proposers=["ngram"], max_k=3)
+    engine = RolloutEngine(model, max_batch_size=3, spec=spec, compile=True, guard_check_every=1)
     engine.generate(requests([SamplingParams(max_tokens=12, temperature=0.0, n=2)] * 3))
     assert engine.stats()["compiled_graphs"] > 0
     curves = engine.controller.target.values()
@@ -372,10 +380,9 @@ def test_compile_without_a_cxx_compiler_is_a_config_error(monkeypatch):
 @needs_cxx
 def test_a_guard_free_call_that_needs_a_new_graph_reruns_guarded():
     """A key that misses a fact the graphs depend on (here the mode): the direct call's guard
-    check (every call in the test suite) fails, so the call runs fully guarded (compiling the
+    check (every call: ``check_every=1``) fails, so the call runs fully guarded (compiling the
     right graph) and its class stays guarded; without direct calls, the guard-free stance finds
     no graph and the call is rerun guarded."""
-    from specrl.rollout import compiled as module
     from specrl.rollout.compiled import Compiled
 
     def step(x: torch.Tensor, mode: str) -> torch.Tensor:
@@ -385,7 +392,7 @@ def test_a_guard_free_call_that_needs_a_new_graph_reruns_guarded():
         return {"add": x + 1, "sub": x - 1, "mul": x * 3}[mode]
 
     for direct, fn in ((True, step), (False, step_2)):
-        compiled = Compiled(fn, torch.device("cpu"), "the test step")
+        compiled = Compiled(fn, torch.device("cpu"), "the test step", check_every=1)
         if not direct:
             compiled._raw = None  # a torch without dynamo's cache entries: the stance path
         x = torch.arange(3.0)
@@ -402,4 +409,4 @@ def test_a_guard_free_call_that_needs_a_new_graph_reruns_guarded():
             assert compiled(x, "add", key="add").tolist() == [1.0, 2.0, 3.0]
             assert compiled(x, "mul", key="add").tolist() == [0.0, 3.0, 6.0]
         assert compiled.unguarded == (2 if direct else 3)
-        assert module.CHECK_EVERY == 1  # tests/conftest.py
+        assert compiled.check_every == 1

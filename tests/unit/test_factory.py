@@ -43,7 +43,8 @@ def test_every_speculation_field_reaches_the_engine():
     engine = build_engine(RolloutConfig(max_batch_size=2, speculation=speculation), _policy())
     assert engine.spec == speculation  # the recipe's section itself: no field left behind
     assert engine.controller.config == speculation
-    assert engine.lookahead is not None and engine.lookahead.worker.timeout == 2
+    lookahead = engine.drafting.lookahead
+    assert lookahead is not None and lookahead.worker.timeout == 2
     assert spec_config(None) is None and spec_config(SpeculationConfig(proposers=[])) is None
 
 

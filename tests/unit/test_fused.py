@@ -56,9 +56,9 @@ def _cached_run(model: Transformer, fused: bool) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("layout", ["transposed", "rows"])
 @pytest.mark.parametrize("over", list(VARIANTS.values()), ids=list(VARIANTS))
-def test_fused_forward_equals_module_forward_fp64(over, layout, monkeypatch):
-    monkeypatch.setattr(fused, "CPU_LAYOUT", layout)
+def test_fused_forward_equals_module_forward_fp64(over, layout):
     model = _model(**over)
+    fused.set_cpu_layout(model, layout)
     lens = [1, 7, 3, 12]
     ids = torch.randint(0, VOCAB, (sum(lens),), generator=torch.Generator().manual_seed(1))
     layout = PackedLayout.from_lengths(lens)
@@ -156,12 +156,9 @@ def test_fused_plan_follows_replaced_modules_parameters_and_layout():
     _assert_fresh(model)
     built = plan.get(model)
     for layout in ("rows", "transposed"):
-        fused.CPU_LAYOUT = layout
-        try:
-            assert plan.get(model).layers[0].transposed == (layout == "transposed")
-            _assert_fresh(model)
-        finally:
-            fused.CPU_LAYOUT = "transposed"
+        fused.set_cpu_layout(model, layout)
+        assert plan.get(model).layers[0].transposed == (layout == "transposed")
+        _assert_fresh(model)
     assert plan.get(model) is not built
 
 
@@ -203,13 +200,13 @@ def _draft_run(draft: Eagle3Draft, fused: bool) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("layout", ["transposed", "rows"])
-def test_draft_decoding_path_equals_the_module_path_fp64(layout, monkeypatch):
+def test_draft_decoding_path_equals_the_module_path_fp64(layout):
     """The draft's decoding copies (DraftPlan) compute the module math, and follow in-place
     weight changes and a replaced (re-shared) embedding."""
-    monkeypatch.setattr(fused, "CPU_LAYOUT", layout)
     tcfg = preset_config("toy-tiny", vocab_size=VOCAB)
     cfg = DraftConfig.for_target(tcfg, draft_vocab_size=40, tap_layers=(0, 0, 1))
     draft = init_draft_weights(Eagle3Draft(cfg).double(), seed=2, std=0.2)
+    fused.set_cpu_layout(draft, layout)
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(torch.randn(VOCAB, cfg.hidden_size, dtype=torch.float64))
 

@@ -217,6 +217,31 @@ def test_gate_speculates_in_the_tail_and_not_in_the_full_batch():
     assert states[2] is True and states[64] is False
 
 
+def test_one_sequence_probe_does_not_keep_a_paying_batch_off():
+    # The batch-8 regression: a slice probe is one sequence at B = 8, and a drafter whose cost
+    # is per pass (EAGLE-3's k sequential passes, not its rows) priced from one sequence,
+    # conservatively, looks 8× too dear for the whole batch.  A batch twice as wide as any that
+    # drafted is probed whole at once where an optimistic S might pay.
+    ctrl = SpecController(spec(max_k=8), ["p"])
+    rng, spec_steps = random.Random(0), 0
+    for _ in range(40):
+        arms = ctrl.plan(8)
+        drafting = [a for a in arms or [] if a is not None]
+        rows = 8 + sum(a.k for a in drafting)
+        for arm in drafting:
+            acc = 0
+            while acc < arm.k and rng.random() < 0.9:
+                acc += 1
+            ctrl.record(arm, arm.k, acc + 1)
+        ctrl.record_step(rows, 1e-2 + 2e-4 * rows, bool(drafting))
+        if drafting:
+            k = drafting[0].k
+            ctrl.record_draft("p", len(drafting) * k, 2e-3 * k + 1e-5 * len(drafting) * k)
+        spec_steps += len(drafting) == 8
+    assert ctrl.to_dict()["gate_on_batch_sizes"] == [8]
+    assert spec_steps >= 30  # on from the first steps, not after ~90 plain ones
+
+
 def test_a_dear_drafter_is_gated_off_even_at_full_acceptance():
     ctrl = SpecController(spec(), ["p"])
     simulate(ctrl, 1, 300, a=1e-2, b=1e-5, alpha=1.0, draft=0.2)

@@ -92,6 +92,39 @@ BackendOpt = Annotated[
         "specrl[vllm]; one drafter: eagle3 with --draft, else the first of --proposers).",
     ),
 ]
+PromptsOpt = Annotated[
+    Optional[Path], typer.Option("--prompts", help="JSONL file of {'prompt': …} objects.")
+]
+OutOpt = Annotated[
+    Optional[Path], typer.Option("--out", help="JSONL file of samples (written atomically).")
+]
+NOpt = Annotated[int, typer.Option("--n", min=1, help="Samples per prompt.")]
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens per sample.")]
+TemperatureOpt = Annotated[
+    float, typer.Option("--temperature", min=0.0, callback=finite, help="0 = greedy.")
+]
+TopPOpt = Annotated[float, typer.Option("--top-p", callback=finite, help="Nucleus mass in (0, 1].")]
+TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="0 = off.")]
+HostOpt = Annotated[str, typer.Option("--host", help="Bind address.")]
+PortOpt = Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port.")]
+TokenFileOpt = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--update-token-file",
+        help="File holding the bearer token for POST /v1/weights (else env "
+        "SPECRL_UPDATE_TOKEN; neither: weight updates are refused).",
+    ),
+]
+WeightsDirOpt = Annotated[
+    Optional[list[Path]],
+    typer.Option(
+        "--weights-dir",
+        help="Directory POST /v1/weights may read .safetensors files from (repeatable; "
+        "the served --target and --draft directories are always allowed, nothing else).",
+    ),
+]
+MaxNOpt = Annotated[int, typer.Option("--max-n", min=1, help="Largest n per request.")]
+MaxBodyOpt = Annotated[int, typer.Option("--max-body-bytes", min=1, help="Largest request body.")]
 
 
 def rollout_config(
@@ -123,6 +156,28 @@ def chat_codec(target: Path):
     from specrl.models.tokenizer import TextCodec
 
     return TextCodec.from_checkpoint(target, load_config(target), chat=True)
+
+
+def engine_from_options(
+    target: Path,
+    draft: Path | None,
+    *,
+    proposers: str,
+    k: int,
+    batch_size: int,
+    compile: bool,
+    chat_template: bool,
+    device: str,
+    seed: int,
+    backend: Backend = Backend.embedded,
+) -> Any:
+    """The engine the options both commands share describe (:func:`rollout_config`, the chat
+    codec, :func:`specrl.rollout.factory.build_engine`)."""
+    from specrl.rollout.factory import build_engine
+
+    config = rollout_config(proposers, k, batch_size, compile, draft, backend)
+    codec = chat_codec(target) if chat_template else None
+    return build_engine(config, target, draft, codec=codec, device=device, seed=seed)
 
 
 def read_prompts(path: Path) -> list[tuple[int, dict[str, Any]]]:
@@ -173,21 +228,13 @@ def write_jsonl_atomic(path: Path, rows: list[dict[str, Any]]) -> None:
 def rollout_command(
     ctx: typer.Context,
     target: TargetOpt = None,
-    prompts: Annotated[
-        Optional[Path], typer.Option("--prompts", help="JSONL file of {'prompt': …} objects.")
-    ] = None,
-    out_file: Annotated[
-        Optional[Path], typer.Option("--out", help="JSONL file of samples (written atomically).")
-    ] = None,
-    n: Annotated[int, typer.Option("--n", min=1, help="Samples per prompt.")] = 1,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens per sample.")] = 64,
-    temperature: Annotated[
-        float, typer.Option("--temperature", min=0.0, callback=finite, help="0 = greedy.")
-    ] = 1.0,
-    top_p: Annotated[
-        float, typer.Option("--top-p", callback=finite, help="Nucleus mass in (0, 1].")
-    ] = 1.0,
-    top_k: Annotated[int, typer.Option("--top-k", min=0, help="0 = off.")] = 0,
+    prompts: PromptsOpt = None,
+    out_file: OutOpt = None,
+    n: NOpt = 1,
+    max_tokens: MaxTokensOpt = 64,
+    temperature: TemperatureOpt = 1.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
     seed: SeedOpt = 0,
     proposers: ProposersOpt = "ngram",
     draft: DraftOpt = None,
@@ -210,20 +257,34 @@ def rollout_command(
     if not 0 < top_p <= 1:
         raise typer.BadParameter("must be in (0, 1]", param_hint="'--top-p'")
     from specrl.core.fsio import check_output
-    from specrl.errors import DataError
     from specrl.rollout import Request, SamplingParams
-    from specrl.rollout.factory import build_engine
 
     check_output(out_file, kind="file", inputs=[prompts, target, draft], overwrite=overwrite)
     records = read_prompts(prompts)
-    config = rollout_config(proposers, k, batch_size, compile, draft, backend)
-    codec = chat_codec(target) if chat_template else None
-    engine = build_engine(config, target, draft, codec=codec, device=device, seed=seed)
+    engine = engine_from_options(
+        target, draft, proposers=proposers, k=k, batch_size=batch_size, compile=compile,
+        chat_template=chat_template, device=device, seed=seed, backend=backend,
+    )  # fmt: skip
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n
     )
     by_id = {f"{prompts}:{lineno}": (lineno, rec) for lineno, rec in records}
     requests = [Request(rec["prompt"], params, request_id=rid) for rid, (_, rec) in by_id.items()]
+    results = _generate(engine, requests)
+    write_jsonl_atomic(out_file, [_sample_row(r, *by_id[r.request_id]) for r in results])
+    summary = {"backend": backend.value, "out": str(out_file), "prompts": len(records)}
+    summary.update(samples=len(results), **_stats_summary(engine.stats()))
+    if want_json(json_out):
+        emit_json(summary)
+    else:
+        out.print(kv_table("rollout", summary))
+
+
+def _generate(engine: Any, requests: list[Any]) -> list[Any]:
+    """``engine.generate`` with a progress bar (τ so far); a request the engine cannot take is a
+    DataError (its message names FILE:LINE)."""
+    from specrl.errors import DataError
+
     with ExitStack() as stack:
         bar = []  # opened at the first report, i.e. after the engine accepted every request
 
@@ -233,25 +294,25 @@ def rollout_command(
             bar[0](done, total, _tau_info(engine.stats()["spec"]["tau"]))
 
         try:
-            results = engine.generate(requests, progress=report)
-        except ValueError as exc:  # a request the engine cannot take; the message names FILE:LINE
+            return engine.generate(requests, progress=report)
+        except ValueError as exc:
             raise DataError(str(exc)) from None
-    rows = []
-    for r in results:
-        lineno, rec = by_id[r.request_id]
-        row: dict[str, Any] = {"id": rec.get("id", lineno), "prompt": rec["prompt"]}
-        if "answer" in rec:
-            row["answer"] = rec["answer"]
-        row.update((key, v) for key, v in r.to_dict().items() if key != "id")
-        rows.append(row)
-    write_jsonl_atomic(out_file, rows)
-    stats = engine.stats()
+
+
+def _sample_row(result: Any, lineno: int, rec: dict[str, Any]) -> dict[str, Any]:
+    """One output line: the prompt's id (default its line number), prompt and answer, then the
+    sample (tokens, text, logprobs, statistics)."""
+    row: dict[str, Any] = {"id": rec.get("id", lineno), "prompt": rec["prompt"]}
+    if "answer" in rec:
+        row["answer"] = rec["answer"]
+    row.update((key, v) for key, v in result.to_dict().items() if key != "id")
+    return row
+
+
+def _stats_summary(stats: dict[str, Any]) -> dict[str, Any]:
+    """The run's summary rows from the engine's statistics."""
     spec = stats["spec"]
     summary = {
-        "backend": backend.value,
-        "out": str(out_file),
-        "prompts": len(records),
-        "samples": len(results),
         "tokens": stats["tokens"],
         "seconds": round(stats["seconds"], 3),
         "tokens_per_s": stats["tokens_per_s"],
@@ -271,45 +332,55 @@ def rollout_command(
         summary["speculation"] = stats["speculation"]
     if stats.get("compiled_graphs") is not None:
         summary["compiled_graphs"] = stats["compiled_graphs"]
-    if want_json(json_out):
-        emit_json(summary)
-    else:
-        out.print(kv_table("rollout", summary))
+    return summary
 
 
 def _tau_info(tau: float | None) -> str:
     return f"τ {tau:.2f}" if tau is not None else ""
 
 
+def read_token(update_token_file: Path | None) -> str | None:
+    """The bearer token for POST /v1/weights: the file's content, else $SPECRL_UPDATE_TOKEN, else
+    None (weight updates refused); a missing, unreadable or empty file is a ConfigError."""
+    from specrl.errors import ConfigError
+
+    if update_token_file is None:
+        return os.environ.get("SPECRL_UPDATE_TOKEN", "").strip() or None
+    if not update_token_file.is_file():
+        raise ConfigError(f"token file '{update_token_file}' does not exist")
+    try:
+        token = update_token_file.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"token file '{update_token_file}' is unreadable ({exc})") from None
+    if not token:
+        raise ConfigError(f"token file '{update_token_file}' is empty")
+    return token
+
+
+def allowed_weight_dirs(target: Path, draft: Path | None, extra: list[Path]) -> list[Path]:
+    """Where POST /v1/weights may read files from: the served checkpoints' own directories and
+    those the operator names (each must be a directory)."""
+    from specrl.errors import ConfigError
+
+    for d in extra:
+        if not d.is_dir():
+            raise ConfigError(f"--weights-dir '{d}' is not a directory")
+    return [target, *([draft] if draft is not None else []), *extra]
+
+
 @app.command("serve")
 def serve_command(
     target: TargetOpt = None,
-    host: Annotated[str, typer.Option("--host", help="Bind address.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port.")] = 8000,
-    update_token_file: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--update-token-file",
-            help="File holding the bearer token for POST /v1/weights (else env "
-            "SPECRL_UPDATE_TOKEN; neither: weight updates are refused).",
-        ),
-    ] = None,
-    weights_dir: Annotated[
-        Optional[list[Path]],
-        typer.Option(
-            "--weights-dir",
-            help="Directory POST /v1/weights may read .safetensors files from (repeatable; "
-            "the served --target and --draft directories are always allowed, nothing else).",
-        ),
-    ] = None,
+    host: HostOpt = "127.0.0.1",
+    port: PortOpt = 8000,
+    update_token_file: TokenFileOpt = None,
+    weights_dir: WeightsDirOpt = None,
     proposers: ProposersOpt = "ngram",
     draft: DraftOpt = None,
     k: KOpt = 4,
     batch_size: BatchOpt = 16,
-    max_n: Annotated[int, typer.Option("--max-n", min=1, help="Largest n per request.")] = 16,
-    max_body_bytes: Annotated[
-        int, typer.Option("--max-body-bytes", min=1, help="Largest request body.")
-    ] = 1 << 20,
+    max_n: MaxNOpt = 16,
+    max_body_bytes: MaxBodyOpt = 1 << 20,
     device: DeviceOpt = "auto",
     seed: SeedOpt = 0,
     compile: CompileOpt = False,
@@ -324,44 +395,26 @@ def serve_command(
 
     from specrl.errors import ConfigError
     from specrl.rollout.engine import RolloutEngine
-    from specrl.rollout.factory import build_engine
     from specrl.rollout.server import EngineWorker, ServerLimits, create_app
 
-    token = None
-    if update_token_file is not None:
-        if not update_token_file.is_file():
-            raise ConfigError(f"token file '{update_token_file}' does not exist")
-        try:
-            token = update_token_file.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"token file '{update_token_file}' is unreadable ({exc})") from None
-        if not token:
-            raise ConfigError(f"token file '{update_token_file}' is empty")
-    elif os.environ.get("SPECRL_UPDATE_TOKEN"):
-        token = os.environ["SPECRL_UPDATE_TOKEN"].strip()
-    for d in weights_dir or ():
-        if not d.is_dir():
-            raise ConfigError(f"--weights-dir '{d}' is not a directory")
-    config = rollout_config(proposers, k, batch_size, compile, draft)
-    codec = chat_codec(target) if chat_template else None
-    engine = build_engine(config, target, draft, codec=codec, device=device, seed=seed)
+    token = read_token(update_token_file)
+    allowed = allowed_weight_dirs(target, draft, weights_dir or [])
+    engine = engine_from_options(
+        target, draft, proposers=proposers, k=k, batch_size=batch_size, compile=compile,
+        chat_template=chat_template, device=device, seed=seed,
+    )  # fmt: skip
     if not isinstance(engine, RolloutEngine):  # the server steps it (one batch, many clients)
         raise ConfigError("rollout serve serves the embedded engine only")
     if compile:  # compile before serving: the first clients would otherwise wait for it
         with err.status("compiling the decode step (torch.compile)…"):
             graphs = engine.warmup()
         err.print(f"compiled {graphs} graphs")
+    limit = engine.max_model_len - 1
     limits = ServerLimits(
-        max_body_bytes=max_body_bytes,
-        max_prompt_tokens=engine.max_model_len - 1,
-        max_tokens=engine.max_model_len - 1,
-        max_n=max_n,
+        max_body_bytes=max_body_bytes, max_prompt_tokens=limit, max_tokens=limit, max_n=max_n
     )
-    worker = EngineWorker(engine)
-    # weight files: the served checkpoints' own directories and those the operator names
-    allowed = [target, *([draft] if draft is not None else []), *(weights_dir or ())]
     api = create_app(
-        worker,
+        EngineWorker(engine),
         engine.codec,
         model_name=target.name,
         limits=limits,

@@ -22,8 +22,9 @@ cost a third of its time.  It is rebuilt when a source tensor changes storage or
 counter** (every in-place tensor op bumps it: ``copy_`` in ``RolloutEngine.update_weights`` and
 ``load_state_dict``, optimizer steps, ``fill_``), when any module anywhere registers a parameter
 or submodule (a replaced weight or module: a process-wide counter bumped by ``torch.nn``
-registration hooks), or when :data:`CPU_LAYOUT` changes.  Writes through ``.data`` bypass the
-version counter; call :func:`invalidate` on the model after such a write.  Memory: on CPU the
+registration hooks), or when its ``cpu_layout`` changes (:func:`set_cpu_layout`).  Writes
+through ``.data`` bypass the version counter; call :func:`invalidate` on the model after such a
+write.  Memory: on CPU the
 copies cost as much as the projection weights (on GPU: the q|k|v and gate|up concatenations).
 """
 
@@ -35,14 +36,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# The inference copies' layout on CPU: "transposed" ([in, out], for mm/addmm) or "rows" (the
-# [out, in] row concatenation for F.linear, as on GPU).  The tests run both layouts; a copy
-# built under the other layout is rebuilt on next use.
-CPU_LAYOUT = "transposed"
+# The inference copies' layouts on CPU: "transposed" ([in, out], for mm/addmm; the default) or
+# "rows" (the [out, in] row concatenation for F.linear, as on GPU).  Each plan has its own
+# (``Plan(cpu_layout=…)``, :func:`set_cpu_layout`); the tests run both.
+CPU_LAYOUTS = ("transposed", "rows")
 
 
-def _transposed(device: torch.device) -> bool:
-    return device.type == "cpu" and CPU_LAYOUT == "transposed"
+def _checked(cpu_layout: str) -> str:
+    if cpu_layout not in CPU_LAYOUTS:
+        raise ValueError(f"cpu_layout must be one of {CPU_LAYOUTS}, got {cpu_layout!r}")
+    return cpu_layout
+
+
+def _transposed(device: torch.device, cpu_layout: str) -> bool:
+    return device.type == "cpu" and cpu_layout == "transposed"
 
 
 def project(
@@ -110,9 +117,12 @@ class Plan:
     (module docstring); :meth:`get` is called once per inference forward.  Subclasses say what
     to resolve (:meth:`_build`)."""
 
-    __slots__ = ("_ptrs", "_stamp", "_tensors", "_value", "_versions")
+    __slots__ = ("_ptrs", "_stamp", "_tensors", "_value", "_versions", "cpu_layout")
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_layout: str = "transposed") -> None:
+        self.cpu_layout = _checked(
+            cpu_layout
+        )  # copies built under another layout are rebuilt on use
         self.clear()
 
     def clear(self) -> None:
@@ -126,11 +136,11 @@ class Plan:
         """The resolved copies, current for ``module``'s weights."""
         ts = self._tensors
         if (
-            self._stamp != (_registrations, CPU_LAYOUT)
+            self._stamp != (_registrations, self.cpu_layout)
             or [t._version for t in ts] != self._versions
             or [t.data_ptr() for t in ts] != self._ptrs
         ):
-            stamp = (_registrations, CPU_LAYOUT)
+            stamp = (_registrations, self.cpu_layout)
             self._value, sources = self._build(module)
             self._tensors = sources
             self._versions = [t._version for t in sources]
@@ -177,7 +187,7 @@ class DecoderPlan(Plan):
             rest = [attn.o_proj.weight, mlp.down_proj.weight, ln1.weight, ln2.weight]
             norms = [n.weight for n in (attn.q_norm, attn.k_norm) if n is not None]
             sources += [*qkv, *gate_up, *rest, *norms, *(b for b in biases if b is not None)]
-            tr = _transposed(qkv[0].device)
+            tr = _transposed(qkv[0].device, self.cpu_layout)
             layers[i] = LayerCopies(
                 input_norm=ln1,
                 post_norm=ln2,
@@ -194,7 +204,7 @@ class DecoderPlan(Plan):
                 transposed=tr,
             )
         head = model.lm_head
-        tr = _transposed(head.weight.device) if head is not None else False
+        tr = _transposed(head.weight.device, self.cpu_layout) if head is not None else False
         lm_head = None if head is None else inference_copy([head.weight], tr)
         if head is not None:
             sources.append(head.weight)
@@ -233,7 +243,7 @@ class DraftPlan(Plan):
         rest = [attn.o_proj.weight, mlp.down_proj.weight, draft.lm_head.weight]
         embedding = draft.embed_tokens.weight
         weights = tuple(n.weight for n in norms)
-        tr = _transposed(qkv[0].device)
+        tr = _transposed(qkv[0].device, self.cpu_layout)
         copies = DraftCopies(
             embedding=embedding,
             norms=norms,
@@ -252,9 +262,18 @@ class DraftPlan(Plan):
         return copies, [*qkv, *gate_up, *rest, *weights, embedding]
 
 
+def _plans(module: nn.Module) -> list[Plan]:
+    return [v for m in module.modules() for v in vars(m).values() if isinstance(v, Plan)]
+
+
 def invalidate(module: nn.Module) -> None:
     """Drop every fused copy under ``module`` (after writes through ``.data``)."""
-    for m in module.modules():
-        for value in vars(m).values():
-            if isinstance(value, Plan):
-                value.clear()
+    for plan in _plans(module):
+        plan.clear()
+
+
+def set_cpu_layout(module: nn.Module, cpu_layout: str) -> None:
+    """Build the CPU inference copies of every plan under ``module`` in ``cpu_layout`` from its
+    next forward on ("transposed", the default, or "rows"; no effect on other devices)."""
+    for plan in _plans(module):
+        plan.cpu_layout = _checked(cpu_layout)

@@ -101,57 +101,23 @@ class BatchBuilder:
         if not launch.prefill and not padded and all(n == 1 for n in launch.num_rows):
             self._prepare_plain(launch, slots_are_prefix)
             return
-        lens = [len(x) for x in launch.inputs]
-        width = max(lens)
-        fed_lens = [width] * len(lens) if padded else lens
-        starts, cu = [], [0]
-        for n in fed_lens:
-            starts.append(cu[-1])
-            cu.append(cu[-1] + n)
-        launch.input_starts = starts
-        # logit rows: the last num_rows rows of each sequence's input (prefill: its leader's)
-        logit_rows: list[int] = []
-        row_start: list[int] = []
-        for b, n in enumerate(launch.num_rows):
-            f = launch.feeder[b]
-            row_start.append(len(logit_rows))
-            end = starts[f] + lens[f]
-            logit_rows += range(end - n, end)
-        k1 = launch.k1 = max(launch.num_rows)
-        parts: dict[str, list[int]] = {
-            "ids": [x for seq in launch.inputs for x in (*seq, *[0] * (width - len(seq)))]
-            if padded
-            else [x for seq in launch.inputs for x in seq],
-            "cu_seqlens": cu,
-            "position_ids": [j for n in fed_lens for j in range(n)],
-            "seq_ids": [i for i, n in enumerate(fed_lens) for _ in range(n)],
-            "slots": [s.slot for s in fed],
-            "prefix": [s.kv_len for s in fed],
-            "row_index": [  # [B, K+1]: row of (sequence b, position j), clamped to its last
-                r + min(j, n - 1)
-                for r, n in zip(row_start, launch.num_rows, strict=True)
-                for j in range(k1)
-            ],
-            "num_drafts": [n - 1 for n in launch.num_rows],
-            "draft_tokens": [x for d in launch.drafts for x in (*d.tokens, 0)],
-        }
-        # decode steps verify every fed row, in order: logits of all rows, no index
-        if logit_rows != list(range(cu[-1])):
-            parts["logits_index"] = logit_rows
+        parts, fed_lens = _packed(launch, padded)
         flat = torch.tensor(
             [x for v in parts.values() for x in v], dtype=torch.int64, device=self.device
         )
         t = launch.tensors
         t.update(zip(parts, flat.split([len(v) for v in parts.values()]), strict=True))
         t.setdefault("logits_index", None)
-        t["row_index"] = t["row_index"].view(len(launch.seqs), k1)
+        t["row_index"] = t["row_index"].view(len(launch.seqs), launch.k1)
+        width = max(fed_lens)  # the longest fed run (padded: every run's length)
         pos = t.pop("position_ids")  # each token's index in its fed run: the offsets too
         t["layout"] = PackedLayout(t.pop("cu_seqlens"), pos, width, t.pop("seq_ids"), pos)
         t["max_kv"] = max(s.kv_len + n for s, n in zip(fed, fed_lens, strict=True))
         # host flags that spare the attention kernel work: slots 0..B−1 slice the cache instead
         # of gathering it; one new token each at one common position needs no mask
         t["slots_are_prefix"] = slots_are_prefix
-        t["full_rows"] = all(n == 1 for n in lens) and all(s.kv_len == fed[0].kv_len for s in fed)
+        one_each = all(len(x) == 1 for x in launch.inputs)
+        t["full_rows"] = one_each and all(s.kv_len == fed[0].kv_len for s in fed)
         t["padded"] = padded
         if padded:  # flags from the block's shape only: no new graph when prefixes align
             t["full_rows"] = len(fed) == 1 and width == 1
@@ -252,6 +218,50 @@ class BatchBuilder:
             for s, n in zip(launch.seqs, launch.num_rows, strict=True)
         ]
         return torch.cat(parts, dim=0)
+
+
+def _packed(launch: Launch, padded: bool) -> tuple[dict[str, list[int]], list[int]]:
+    """The int64 host lists of a launch's forward and verification (name → values, in the
+    order :meth:`BatchBuilder.prepare` packs them) and each fed run's length (``padded``: all
+    of the longest's).  Sets ``launch.input_starts`` and ``launch.k1``."""
+    lens = [len(x) for x in launch.inputs]
+    width = max(lens)
+    fed_lens = [width] * len(lens) if padded else lens
+    starts, cu = [], [0]
+    for n in fed_lens:
+        starts.append(cu[-1])
+        cu.append(cu[-1] + n)
+    launch.input_starts = starts
+    # logit rows: the last num_rows rows of each sequence's input (prefill: its leader's)
+    logit_rows: list[int] = []
+    row_start: list[int] = []
+    for b, n in enumerate(launch.num_rows):
+        f = launch.feeder[b]
+        row_start.append(len(logit_rows))
+        end = starts[f] + lens[f]
+        logit_rows += range(end - n, end)
+    k1 = launch.k1 = max(launch.num_rows)
+    parts: dict[str, list[int]] = {
+        "ids": [x for seq in launch.inputs for x in (*seq, *[0] * (width - len(seq)))]
+        if padded
+        else [x for seq in launch.inputs for x in seq],
+        "cu_seqlens": cu,
+        "position_ids": [j for n in fed_lens for j in range(n)],
+        "seq_ids": [i for i, n in enumerate(fed_lens) for _ in range(n)],
+        "slots": [s.slot for s in launch.fed],
+        "prefix": [s.kv_len for s in launch.fed],
+        "row_index": [  # [B, K+1]: row of (sequence b, position j), clamped to its last
+            r + min(j, n - 1)
+            for r, n in zip(row_start, launch.num_rows, strict=True)
+            for j in range(k1)
+        ],
+        "num_drafts": [n - 1 for n in launch.num_rows],
+        "draft_tokens": [x for d in launch.drafts for x in (*d.tokens, 0)],
+    }
+    # decode steps verify every fed row, in order: logits of all rows, no index
+    if logit_rows != list(range(cu[-1])):
+        parts["logits_index"] = logit_rows
+    return parts, fed_lens
 
 
 def read_back(launches: list[Launch]) -> list[dict[str, list]]:

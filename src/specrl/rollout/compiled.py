@@ -40,9 +40,10 @@ call of a class has run without compiling, later calls of that class skip dynamo
   cache lookup.  This is vLLM's custom dispatcher (``TorchCompileWrapperWithCustomDispatcher``)
   and saves a further 110 µs (batch 1) to 460 µs (batch 32) per toy decode forward over the
   stance below (measured on the toy targets; docs/benchmarks.md).
-  Every ``check_every``-th direct call (:data:`CHECK_EVERY`; every call in the test suite)
-  first evaluates the entry's guards in full: should they fail, the key missed a fact, and the
-  call, and its class from then on, run fully guarded;
+  Every ``check_every``-th direct call (:data:`CHECK_EVERY` by default; every call in the
+  test suite, through ``RolloutEngine(guard_check_every=1)``) first evaluates the entry's
+  guards in full: should they fail, the key missed a fact, and the call, and its class from
+  then on, run fully guarded;
 - otherwise, dynamo's ``skip_guard_eval_unsafe`` stance: only the guards that ever told cached
   graphs apart are checked (the sizes that specialise, the model instance).  Should a key miss
   a fact after all, so that a guard-free call finds no graph, dynamo refuses to compile under
@@ -75,8 +76,8 @@ from specrl.models.decoder import CacheBatch, ModelOutput, Transformer
 __all__ = ["Compiled", "CompiledDecode", "check_toolchain"]
 
 RECOMPILE_LIMIT = 64
-# every how many direct calls of a graph class its entry's guards are evaluated in full (0:
-# never); the test suite sets 1, so every compiled call of the engine tests proves its key
+# the default of ``Compiled(check_every=…)``: every how many direct calls of a graph class its
+# entry's guards are evaluated in full
 CHECK_EVERY = 256
 
 log = logging.getLogger(__name__)
@@ -98,13 +99,26 @@ class Compiled:
     it compiles, runs graph classes already served without dynamo's guards (module docstring)
     and names the way out when compilation fails."""
 
-    def __init__(self, fn: Callable[..., Any], device: torch.device, what: str) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        device: torch.device,
+        what: str,
+        *,
+        check_every: int = CHECK_EVERY,
+    ) -> None:
+        """``check_every``: every how many direct calls of a graph class its entry's guards are
+        evaluated in full first (0: never; the tests use 1, so that every compiled call proves
+        its class's key)."""
         check_toolchain(device)
         import torch._dynamo  # the counters read in __call__
-        import torch.fx.experimental._config  # use_duck_shape, set in __call__
+        import torch.fx.experimental._config  # use_duck_shape, set in _run
 
+        if check_every < 0:
+            raise ValueError(f"check_every must be ≥ 0, got {check_every}")
         self._fn = torch.compile(fn, dynamic=True)
         self.what = what
+        self.check_every = check_every
         self.graphs = 0  # graphs dynamo compiled for this callable so far
         self.guard_free = _STANCES is not None  # this torch has the stance hooks
         self._served: set[Hashable] = set()  # graph classes a guarded call ran without compiling
@@ -131,14 +145,6 @@ class Compiled:
                     return out
         counters = torch._dynamo.utils.counters["stats"]
         before = counters["unique_graphs"]
-        dynamo, fx = torch._dynamo.config, torch.fx.experimental._config
-        saved = dynamo.recompile_limit, fx.use_duck_shape
-        # dynamo's recompile limit counts the graphs of every model behind one code object in
-        # the process (tests, engines rebuilt on new models); each model needs ≈ 4.  No duck
-        # sizing: sizes that happen to be equal while a graph compiles (the batch and the KV
-        # heads, an input's storage offset) must not become one symbol whose guard fails, and
-        # recompiles, once they differ.  (Plain attribute writes: config.patch costs ≈ 30 µs.)
-        dynamo.recompile_limit, fx.use_duck_shape = max(saved[0], RECOMPILE_LIMIT), False
         stance = entry = None
         if self.guard_free and key is not None and key in self._served:
             stance = _skip_guards()
@@ -151,9 +157,28 @@ class Compiled:
         ):
             # the entry dynamo will run, found before the call (which may mutate its arguments)
             entry = self._find_entry(args, kwargs)
+        out, unguarded = self._run(key, stance, args, kwargs)
+        compiled = counters["unique_graphs"] - before
+        self.graphs += compiled
+        if key is not None and not unguarded and not compiled:
+            self._serve(key, entry)
+        return out
+
+    def _run(self, key: Hashable | None, stance: Any, args: tuple, kwargs: dict) -> tuple:
+        """Call the compiled function through dynamo — its guards skipped under ``stance``
+        (from :func:`_skip_guards`, restored here; None: fully guarded).  Returns (output,
+        whether it ran unguarded)."""
+        dynamo, fx = torch._dynamo.config, torch.fx.experimental._config
+        saved = dynamo.recompile_limit, fx.use_duck_shape
+        # dynamo's recompile limit counts the graphs of every model behind one code object in
+        # the process (tests, engines rebuilt on new models); each model needs ≈ 4.  No duck
+        # sizing: sizes that happen to be equal while a graph compiles (the batch and the KV
+        # heads, an input's storage offset) must not become one symbol whose guard fails, and
+        # recompiles, once they differ.  (Plain attribute writes: config.patch costs ≈ 30 µs.)
+        dynamo.recompile_limit, fx.use_duck_shape = max(saved[0], RECOMPILE_LIMIT), False
         try:
             try:
-                out = self._fn(*args, **kwargs)
+                return self._fn(*args, **kwargs), stance is not None
             except RuntimeError as e:
                 if stance is None or _UNSAFE_RECOMPILE not in str(e):
                     raise
@@ -165,7 +190,7 @@ class Compiled:
                 stance = None
                 self._served.discard(key)
                 self._always_guarded.add(key)
-                out = self._fn(*args, **kwargs)
+                return self._fn(*args, **kwargs), True
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = e.inner_exception  # a SpecrlError: the CLI prints one line, not a traceback
             raise ConfigError(
@@ -176,21 +201,17 @@ class Compiled:
             dynamo.recompile_limit, fx.use_duck_shape = saved
             if stance is not None:
                 _STANCES[1](stance)  # type: ignore[index]
-        compiled = counters["unique_graphs"] - before
-        self.graphs += compiled
-        if (
-            key is not None
-            and stance is None
-            and not compiled
-            and key not in self._always_guarded
-            and _default_stance()
-        ):
-            self._served.add(key)
-            if entry is not None:  # ran without compiling: the entry found is the one it ran
-                function = _entry_function(self._raw, entry.code)  # type: ignore[arg-type]
-                if function is not None:
-                    self._direct[key] = (function, entry)
-        return out
+
+    def _serve(self, key: Hashable, entry: Any | None) -> None:
+        """A fully guarded call of class ``key`` ran without compiling: later calls of the class
+        skip the guards (directly through ``entry``, the cache entry found before it)."""
+        if key in self._always_guarded or not _default_stance():
+            return
+        self._served.add(key)
+        if entry is not None:  # ran without compiling: the entry found is the one it ran
+            function = _entry_function(self._raw, entry.code)  # type: ignore[arg-type]
+            if function is not None:
+                self._direct[key] = (function, entry)
 
     def _locals(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """The frame locals a call starts with (what dynamo's guards read)."""
@@ -215,7 +236,8 @@ class Compiled:
         self, key: Hashable, function: Callable[..., Any], entry: Any, args: tuple, kwargs: dict
     ) -> Any:
         n = self._direct_calls[key] = self._direct_calls.get(key, 0) + 1
-        if CHECK_EVERY and (n - 1) % CHECK_EVERY == 0 and not self._passes(entry, args, kwargs):
+        every = self.check_every
+        if every and (n - 1) % every == 0 and not self._passes(entry, args, kwargs):
             log.warning(
                 "compiled %s: graph class %r does not name every fact its graph depends on; "
                 "its calls run fully guarded from now on",
@@ -311,8 +333,8 @@ def _skip_guards() -> Any | None:
 class CompiledDecode(Compiled):
     """``model.forward`` compiled for the engine's padded decode steps."""
 
-    def __init__(self, model: Transformer) -> None:
-        super().__init__(model.forward, model.device, "the decode step")
+    def __init__(self, model: Transformer, *, check_every: int = CHECK_EVERY) -> None:
+        super().__init__(model.forward, model.device, "the decode step", check_every=check_every)
 
     def __call__(  # type: ignore[override]
         self, ids: torch.Tensor, layout: Any, cache: CacheBatch, taps: tuple[int, ...]

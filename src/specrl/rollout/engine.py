@@ -1,7 +1,11 @@
 """The embedded rollout engine: continuous batching over a slot KV cache, with speculation.
 
 ``RolloutEngine(model, …).generate(requests)`` returns one :class:`Result` per sample
-(``n`` per request, request-major).  One engine **step**:
+(``n`` per request, request-major).  The engine holds the target, its KV cache, the
+:class:`~specrl.rollout.scheduler.Scheduler` (sequences, slots, stops), the
+:class:`~specrl.rollout.batch.BatchBuilder` (host plans → device tensors) and the
+:class:`~specrl.rollout.drafting.Drafting` (proposers, gate, alarm, lookahead); docs/rollout.md
+follows one step's data through them.  One engine **step**:
 
 1. admit waiting sequences into free KV-cache slots (continuous batching: a finished sequence
    frees its slot at once);
@@ -50,7 +54,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -64,24 +67,19 @@ from specrl.models.tokenizer import TextCodec
 from specrl.rollout.batch import (
     BatchBuilder,
     Launch,
-    checked_draft,
     committed_taps,
     plan_prefill,
     read_back,
     shared_prefix,
 )
-from specrl.rollout.compiled import Compiled, CompiledDecode
-from specrl.rollout.decoupled import DrafterError, DraftWorker, Lookahead, ModeChoice
-from specrl.rollout.gating import SpecController
-from specrl.rollout.metrics import AcceptanceAlarm, Counters
-from specrl.rollout.proposers import Proposer, ProposerContext, SupportsWeights, build_proposer
-from specrl.rollout.sampling import (
-    SamplingParams,
-    sampling_probs,
-    sequence_generator,
-)
-from specrl.rollout.scheduler import Scheduler, stopped
-from specrl.rollout.types import Draft, Request, Result, Results, SeqState
+from specrl.rollout.compiled import CHECK_EVERY, Compiled, CompiledDecode
+from specrl.rollout.decoupled import DrafterError
+from specrl.rollout.drafting import Drafting
+from specrl.rollout.metrics import EngineCounters
+from specrl.rollout.proposers import ProposerContext
+from specrl.rollout.sampling import SamplingParams, sampling_probs
+from specrl.rollout.scheduler import Scheduler
+from specrl.rollout.types import Request, Result, Results
 from specrl.rollout.verify import decide, decide_greedy, decide_plain
 from specrl.rollout.weights import apply_update, plan_update
 
@@ -116,6 +114,8 @@ class _Stopwatch:
 class RolloutEngine:
     """Batched, speculative, continuous-batching decoding of one target model."""
 
+    STATE_FORMAT = 2  # 1: the reflective snapshots of specrl < 0.2 (no "format" key)
+
     def __init__(
         self,
         model: Transformer,
@@ -129,75 +129,52 @@ class RolloutEngine:
         eos_token_ids: Sequence[int] | None = None,
         fused: bool = True,
         compile: bool = False,
+        guard_check_every: int = CHECK_EVERY,
     ) -> None:
         """``fused``: run the target's inference path with fused q|k|v and gate|up projections
         (:mod:`specrl.models.fused`; the copies cost those weights' memory once more), False for
         the module forward.  ``compile``: run decode steps through ``torch.compile`` on padded,
         shape-stable batches (:mod:`specrl.rollout.compiled`; the first steps of each shape
-        class compile, about four graphs in all); prefill stays eager."""
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be ≥ 1, got {max_batch_size}")
-        self.model = model
-        self.fused = fused
-        self.codec = codec
+        class compile, about four graphs in all); prefill stays eager.
+        ``guard_check_every``: every how many guard-free calls of a compiled graph class its
+        guards are evaluated in full (:class:`~specrl.rollout.compiled.Compiled`; 1 in the
+        tests, so that every call proves its class's key)."""
+        self.model, self.codec, self.fused, self.clock = model, codec, fused, clock
         self.device = model.device
         self.vocab_size = model.config.vocab_size
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len or model.config.max_position_embeddings
-        self.clock = clock
-        self._stopwatch = _Stopwatch(self.device, clock)
-        if eos_token_ids is None:
-            eos = codec.eos_ids if codec is not None else model.config.eos_token_id
-            eos_token_ids = (
-                eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
-            )
-        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.eos_token_ids = _eos_ids(eos_token_ids, codec, model)
+        self.scheduler = Scheduler(
+            max_batch_size,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            codec=codec,
+            device=self.device,
+            seed=seed,
+        )
         self.spec = spec = spec if spec is not None else SpecConfig(proposers=[])
-        self._compiled = CompiledDecode(model) if compile else None
+        every = guard_check_every
+        self._compiled = CompiledDecode(model, check_every=every) if compile else None
         # verification and logprobs (the processed p comes in: its flags follow the requests'
         # sampling parameters and would multiply the graph classes)
         self._compiled_decide = (
-            Compiled(decide, model.device, "the verification step") if compile else None
+            Compiled(decide, self.device, "the verification step", check_every=every)
+            if compile
+            else None
         )
         # padded decode rows write K/V up to max_k positions past a sequence's last: spare rows
         spare = spec.max_k if compile and spec.proposers else 0
         self.cache = model.new_cache(max_batch_size, self.max_model_len + spare)
-        ctx = ProposerContext(model, self.max_model_len, max_batch_size, seed, compile)
-        self.proposers: dict[str, Proposer] = {
-            name: build_proposer(name, ctx, **dict(spec.proposer_options.get(name, {})))
-            for name in spec.proposers
-        }
-        self.tap_layers = tuple(sorted({t for p in self.proposers.values() for t in p.tap_layers}))
-        self.controller = SpecController(
-            spec, list(self.proposers), seed=seed, padded=self._compiled is not None
-        )
-        self.alarm = AcceptanceAlarm(spec.alarm_window, spec.alarm_tau)
-        self.lookahead: Lookahead | None = None
-        self.mode_choice: ModeChoice | None = None
-        if spec.decoupled not in (False, True, "auto"):
-            raise ConfigError(f"decoupled must be true, false or 'auto', got {spec.decoupled!r}")
-        if spec.decoupled == "auto" and self.proposers:
-            self.mode_choice = ModeChoice(spec.epsilon, seed)
-        if spec.decoupled and self.proposers:
-            try:
-                worker = DraftWorker(
-                    threads=spec.drafter_threads, timeout=spec.drafter_timeout, device=self.device
-                )
-            except ValueError as e:
-                raise ConfigError(f"speculation settings: {e}") from None
-            self.lookahead = Lookahead(worker, seed)
+        ctx = ProposerContext(model, self.max_model_len, max_batch_size, seed, compile, every)
+        self.drafting = Drafting(spec, ctx, padded=compile, clock=clock)
+        self.proposers, self.controller = self.drafting.proposers, self.drafting.controller
+        self.batches = BatchBuilder(self.device, self.vocab_size, model.dtype, compile)
+        self.counters = EngineCounters(list(self.proposers))
+        self._stopwatch = _Stopwatch(self.device, clock)
         self.policy_version = 0
         self.draft_version = 0
-        self._rng = random.Random(seed)
-        self.scheduler = Scheduler(max_batch_size)
-        self.batches = BatchBuilder(
-            self.device, self.vocab_size, model.dtype, self._compiled is not None
-        )
-        self._next_seq = 0
-        self._next_request = 0
-        # counters behind stats(), and those of the generate() call under way
-        self._total = Counters.for_proposers(list(self.proposers))
-        self._call: Counters | None = None
 
     # ---------------------------------------------------------------------- requests
     def add_requests(self, requests: Sequence[Request]) -> list[str]:
@@ -205,8 +182,7 @@ class RolloutEngine:
 
         All are validated before any is queued: a bad one raises ValueError and queues nothing.
         """
-        seqs = self._make_all(requests)
-        return [group[0].request_id for group in seqs]
+        return [group[0].request_id for group in self.scheduler.submit(requests)]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -223,10 +199,7 @@ class RolloutEngine:
         Returns the samples dropped."""
         queued, running = self.scheduler.abort(request_ids)
         for seq in running:
-            for p in self.proposers.values():
-                p.release(seq)
-            if self.lookahead is not None:
-                self.lookahead.release(seq)
+            self.drafting.release(seq)
         # always: after a step that failed between releasing finished samples and compacting,
         # this is what puts the running samples back in slots 0..n−1 and the free list in order
         self._compact()
@@ -255,13 +228,13 @@ class RolloutEngine:
         """
         if self.has_unfinished():
             raise RuntimeError("generate() needs an idle engine; drain add_requests() work first")
-        seqs = [s for group in self._make_all(requests) for s in group]
+        seqs = [s for group in self.scheduler.submit(requests) for s in group]
         order = {(s.request_id, s.index): i for i, s in enumerate(seqs)}
         if progress is not None:
             progress(0, len(seqs))
         results: list[Result | None] = [None] * len(seqs)
         done = 0
-        self._call = call = Counters.for_proposers(list(self.proposers), wave=True)
+        call = self.counters.begin_call()
         try:
             while self.has_unfinished():
                 finished = self.step()
@@ -271,48 +244,8 @@ class RolloutEngine:
                 if finished and progress is not None:
                     progress(done, len(seqs))
         finally:
-            self._call = None
+            self.counters.end_call()
         return Results([r for r in results if r is not None], call.to_dict())
-
-    def _make_all(self, requests: Sequence[Request]) -> list[list[SeqState]]:
-        seqs = []
-        for r in requests:
-            try:
-                seqs.append(self._make_seqs(r))
-            except ValueError as exc:
-                raise ValueError(f"{r.request_id}: {exc}" if r.request_id else str(exc)) from None
-        self.scheduler.register(seqs)
-        return seqs
-
-    def _make_seqs(self, request: Request) -> list[SeqState]:
-        params = request.params
-        params.validate(self.vocab_size)
-        if isinstance(request.prompt, str):
-            if self.codec is None:
-                raise ValueError("text prompts need an engine built with a codec (tokenizer)")
-            prompt = self.codec.encode_prompt(request.prompt)
-        else:
-            prompt = [int(t) for t in request.prompt]
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self.vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"engine's max_model_len ({self.max_model_len})"
-            )
-        if params.stop and self.codec is None:
-            raise ValueError("stop strings need an engine built with a codec (tokenizer)")
-        rid = request.request_id or f"req-{self._next_request}"
-        self._next_request += 1
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seqs = []
-        for j in range(params.n):
-            gen = None if params.greedy else sequence_generator(seed, j, self.device)
-            seqs.append(SeqState(self._next_seq, rid, j, list(prompt), len(prompt), params, gen))
-            self._next_seq += 1
-        return seqs
 
     # ---------------------------------------------------------------------- one step
     @torch.no_grad()
@@ -321,69 +254,46 @@ class RolloutEngine:
         t0 = self.clock()
         graphs = self.compiled_graphs
         decoding = [s for s in self.scheduler.running if s.kv_len > 0]
-        admitted = self._admit()
-        decode = self._plan_decode(decoding) if decoding else None  # proposers run (timed) here
+        admitted = self.scheduler.admit(self.policy_version)
+        self.drafting.reset(admitted)
+        decode = self.drafting.plan(decoding, self.counters.active) if decoding else None
         prefill = plan_prefill(admitted) if admitted else None
         launches = [launch for launch in (prefill, decode) if launch is not None]
-        mode: str | None = None  # the decode step's drafting mode (specrl.rollout.decoupled)
+        mode = None  # the decode step's drafting mode (specrl.rollout.decoupled)
         if decode is not None:  # host→device inputs before any forward is queued
             self.batches.prepare(decode)
-            mode = self._mode(decode)
-            if mode == "decoupled":  # step t + 1's drafts, beside this verification
-                self._launch_ahead(decode)
-        if prefill is not None:
+            mode = self.drafting.draft_ahead(decode)  # decoupled: step t + 1's drafts, beside
+        if prefill is not None:  # timed apart: the gate's cost curves see the decode share
             start = self._stopwatch.mark()
             self.batches.prepare(prefill)
             self._run(prefill)
-            stop = self._stopwatch.mark()
+            marks = (start, self._stopwatch.mark())
         if decode is not None:
             self._run(decode)
         host = read_back(launches)  # the step's only device→host transfer
-        waited = 0.0
-        if self.lookahead is not None and decode is not None:
-            t_wait = self.clock()
-            try:
-                self.lookahead.collect()  # the worker is done before proposers observe
-            except DrafterError as exc:
-                self._drafter_failed(exc)
-                raise
-            waited = self.clock() - t_wait
+        try:
+            waited = self.drafting.collect() if decode is not None else 0.0
+        except DrafterError as exc:  # decoupled drafting is off now: fail what the engine holds
+            held = {s.request_id for s in (*self.scheduler.running, *self.scheduler.waiting)}
+            self.abort(sorted(held))
+            log.warning("%s; later requests draft coupled (decoupled drafting is off)", exc)
+            raise
         finished: list[Result] = []
         for launch, values in zip(launches, host, strict=True):
             finished += self._apply(launch, values)
-        if self.lookahead is not None and decode is not None:
-            appended = [
-                toks[: n + 1]
-                for toks, n in zip(host[-1]["tokens"], host[-1]["num_accepted"], strict=True)
-            ]
-            self.lookahead.settle(decode.seqs, appended)
+        if decode is not None:
+            self.drafting.settle(decode, host[-1])
         if finished:
             self._compact()
         seconds = self.clock() - t0
-        live = len(decode.seqs) if decode is not None else 0
-        live += len(admitted)
         drafting = sum(1 for n in decode.num_rows if n > 1) if decode is not None else 0
-        for c in self._counting():
-            c.steps += 1
-            c.seconds += seconds
-            if c.wave is not None:
-                c.wave.append((live, drafting))
+        self.counters.record_step(seconds, len(decoding) + len(admitted), drafting)
         if decode is not None:
-            # a step that compiled a graph took seconds of compilation: no timing sample
-            timed = graphs == self.compiled_graphs
-            target = None
-            if timed:
-                # the target's decode share of the step: without the prefill and the drafting
+            target = None  # a step that compiled a graph took seconds of compiling: no sample
+            if graphs == self.compiled_graphs:  # the target's decode share of the step
                 target = seconds - sum(call[3] for call in decode.draft_calls) - waited
-                if prefill is not None:
-                    target -= self._stopwatch.seconds(start, stop)
-            tokens = sum(decode.num_rows)
-            rows = len(decode.seqs) * max(decode.num_rows) if decode.tensors["padded"] else tokens
-            self.controller.record_step(rows, target, tokens > len(decode.seqs))
-            if self.mode_choice is not None and mode is not None and timed:
-                emitted = sum(n + 1 for n in host[-1]["num_accepted"])
-                self.mode_choice.record(len(decode.seqs), mode, emitted, seconds)
-            self._learn(decode, host[-1], timed)
+                target -= self._stopwatch.seconds(*marks) if prefill is not None else 0.0
+            self.drafting.learn(decode, host[-1], mode, seconds, target)
         return finished
 
     def _compact(self) -> None:
@@ -391,115 +301,13 @@ class RolloutEngine:
         K/V rows and each proposer's per-slot state), so the running hold slots 0..n−1."""
         moves = self.scheduler.compact()
         if moves:
-            for p in self.proposers.values():
-                p.move(moves)
+            self.drafting.move(moves)
             rows = max(seq.kv_len for seq, _ in moves)
             self.cache.copy_slots([seq.slot for seq, _ in moves], [s for _, s in moves], rows)
         self.scheduler.moved(moves)
 
-    def _admit(self) -> list[SeqState]:
-        admitted = self.scheduler.admit()
-        for seq in admitted:
-            seq.policy_versions = (self.policy_version, self.policy_version)
-            for p in self.proposers.values():
-                p.reset(seq)
-        return admitted
-
-    def _plan_decode(self, seqs: list[SeqState]) -> Launch:
-        arms = self.controller.plan(len(seqs))
-        drafts = [Draft([]) for _ in seqs]
-        caps = [0] * len(seqs)
-        draft_calls = []
-        if arms is not None:
-            for c in self._counting():
-                c.selections.update(str(arm) for arm in arms if arm is not None)
-            asked: dict[str, list[int]] = {}
-            for b, (seq, arm) in enumerate(zip(seqs, arms, strict=True)):
-                if arm is None:
-                    continue
-                # never draft past max_tokens: k + 1 tokens can be emitted
-                caps[b] = min(arm.k, seq.params.max_tokens - seq.num_output - 1)
-                asked.setdefault(arm.proposer, []).append(b)
-            for name, idx in asked.items():  # cap 0 included: a proposer may batch them along
-                if self.lookahead is not None:  # drafted ahead during the previous step
-                    idx = self._take_ahead(name, seqs, idx, caps, drafts)
-                if not any(caps[b] for b in idx):
-                    continue
-                batch = [seqs[b] for b in idx]
-                queued = self.proposers[name].backlog(batch)
-                t0 = self.clock()
-                got = self.proposers[name].propose(batch, [caps[b] for b in idx])
-                spent = self.clock() - t0
-                if len(got) != len(idx):
-                    raise RuntimeError(
-                        f"proposer {name!r} returned {len(got)} drafts for {len(idx)}"
-                    )
-                for b, draft in zip(idx, got, strict=True):
-                    drafts[b] = checked_draft(name, draft, caps[b], self.vocab_size)
-                want = [caps[b] for b in idx]
-                draft_calls.append((name, sum(want), max(want), spent, queued))
-        return Launch(
-            prefill=False,
-            seqs=seqs,
-            fed=seqs,
-            feeder=list(range(len(seqs))),
-            inputs=[[s.tokens[-1], *d.tokens] for s, d in zip(seqs, drafts, strict=True)],
-            drafts=drafts,
-            arms=list(arms) if arms is not None else [None] * len(seqs),
-            caps=caps,
-            num_rows=[len(d.tokens) + 1 for d in drafts],
-            draft_calls=draft_calls,
-        )
-
-    def _take_ahead(
-        self, name: str, seqs: list[SeqState], idx: list[int], caps: list[int], drafts: list[Draft]
-    ) -> list[int]:
-        """Fill ``drafts`` from the ahead drafts ``name`` made for these sequences; returns the
-        indices still to draft (coupled)."""
-        assert self.lookahead is not None
-        rest = []
-        for b in idx:
-            ahead = self.lookahead.take(seqs[b], name) if caps[b] > 0 else None
-            if ahead is None:
-                rest.append(b)
-            else:
-                drafts[b] = checked_draft(name, ahead, caps[b], self.vocab_size)
-        return rest
-
-    def _mode(self, decode: Launch) -> str | None:
-        """This speculative step's drafting mode, None for a plain step (or no worker)."""
-        if self.lookahead is None or all(arm is None for arm in decode.arms):
-            return None
-        if self.mode_choice is None:
-            return "decoupled"
-        return self.mode_choice.choose(len(decode.seqs))
-
-    def _launch_ahead(self, decode: Launch) -> None:
-        """Hand the worker this step's sequences with their drafts assumed accepted; each asks
-        the arm's k for the next step, within max_tokens."""
-        assert self.lookahead is not None
-        names: list[str | None] = []
-        ks: list[int] = []
-        for seq, arm, d in zip(decode.seqs, decode.arms, decode.drafts, strict=True):
-            left = seq.params.max_tokens - seq.num_output - len(d.tokens) - 1
-            k = min(arm.k, left - 1) if arm is not None and d.tokens else 0
-            names.append(arm.proposer if k > 0 else None)
-            ks.append(max(k, 0))
-        self.lookahead.launch(self.proposers, decode.seqs, names, decode.drafts, ks)
-
-    def _drafter_failed(self, exc: DrafterError) -> None:
-        """The decoupled drafter raised, died or hung: fail the requests the engine holds
-        (:meth:`abort`) and decode coupled from now on (a warning says so)."""
-        assert self.lookahead is not None
-        self.lookahead.abandon()
-        self.lookahead.worker.close()
-        self.lookahead = None
-        held = {s.request_id for s in (*self.scheduler.running, *self.scheduler.waiting)}
-        self.abort(sorted(held))
-        log.warning("%s; later requests draft coupled (decoupled drafting is off)", exc)
-
     def _run(self, launch: Launch) -> None:
-        """The target forward and on-device verification (no host sync)."""
+        """The target forward and on-device verification (no host sync): ``launch.out``."""
         t = launch.tensors
         cache = CacheBatch(
             self.cache,
@@ -509,42 +317,28 @@ class RolloutEngine:
             slots_are_prefix=t["slots_are_prefix"],
             full_rows=t["full_rows"],
         )
+        taps = self.drafting.tap_layers
         if t["padded"]:
-            out = self._compiled(t["ids"], t["layout"], cache, self.tap_layers)
+            out = self._compiled(t["ids"], t["layout"], cache, taps)  # type: ignore[misc]
             if t["logits_index"] is not None:  # drop the padded rows
                 out.logits = out.logits.index_select(0, t["logits_index"])
         else:
             out = self.model(
                 t["ids"],
                 t["layout"],
-                taps=self.tap_layers,
+                taps=taps,
                 cache=cache,
                 logits_index=t["logits_index"],
                 fused=self.fused,
             )
-        if launch.prefill:
-            copies = shared_prefix(launch)
-            if copies is not None:
-                self.cache.copy_slots(*copies)
-            for c in self._counting():
+        if launch.prefill and (copies := shared_prefix(launch)) is not None:
+            self.cache.copy_slots(*copies)
+        for c in self.counters.active:
+            if launch.prefill:
                 c.prefill_forwards += 1
-        else:
-            for c in self._counting():
+            else:
                 c.decode_forwards += 1
-        logits = out.logits  # [R, V]
-        rows, q = t["row_index"], t.get("draft_probs")
-        args = (t["draft_tokens"], q, t["uniforms"], rows, t["num_drafts"])
-        if t.get("plain") and t["params"].all_greedy:  # argmax rows: no distribution to build
-            decided = decide_greedy(logits)
-        elif t["padded"]:  # graph class: one sequence; drafts in the step; q given or one-hot
-            probs = sampling_probs(logits, t["params"])  # [R, V]
-            key = (rows.shape[0] == 1, rows.shape[1] == 1, q is None)
-            decided = self._compiled_decide(probs, logits, *args, key=key)  # type: ignore[misc]
-        elif t.get("plain"):  # _prepare_plain: row b is sequence b's only row
-            decided = decide_plain(sampling_probs(logits, t["params"]), logits, t["uniforms"])
-        else:
-            decided = decide(sampling_probs(logits, t["params"]), logits, *args)
-        tokens, num_accepted, sampled_lp, policy_lp = decided
+        tokens, num_accepted, sampled_lp, policy_lp = _decide(out.logits, t, self._compiled_decide)
         launch.out = {
             "tokens": tokens,  # [B, K+1]
             "num_accepted": num_accepted,  # [B]
@@ -553,100 +347,57 @@ class RolloutEngine:
             "taps": out.taps,  # layer → [T, H]
         }
 
-    # ---------------------------------------------------------------------- bookkeeping
     def _apply(self, launch: Launch, host: dict[str, list]) -> list[Result]:
+        """A launch's read-back values into its sequences: tokens up to a stop, the verification
+        counters and the alarm, the committed taps to the proposers; returns the results of the
+        sequences it finished (their slots and proposer state released)."""
         accepted_all, committed = [], []
-        counting = self._counting()
         for b, seq in enumerate(launch.seqs):
             n_acc = host["num_accepted"][b]
-            k = launch.num_rows[b] - 1
             accepted_all.append(n_acc)
-            seq.forwards += 1
-            seq.policy_versions = (seq.policy_versions[0], self.policy_version)
             if not launch.prefill:
-                arm = launch.arms[b]
-                name = arm.proposer if arm is not None and k > 0 else None
+                k = launch.num_rows[b] - 1
+                name, alarm = self.drafting.verified(launch.arms[b], k, n_acc)
                 seq.stats.record(k, n_acc, name)
-                alarm = name is not None and self.alarm.observe(name, 1, n_acc)
-                for c in counting:
-                    c.spec.record(k, n_acc, name)
-                    if name is not None:
-                        c.proposers[name].record(k, n_acc, name)
-                    c.alarms += alarm
-            appended = 0
-            for j in range(n_acc + 1):
-                tok = host["tokens"][b][j]
-                seq.tokens.append(tok)
-                seq.logprobs.append(host["logprobs"][b][j])
-                seq.policy_logprobs.append(host["policy_logprobs"][b][j])
-                appended += 1
-                if stopped(seq, tok, self.eos_token_ids, self.codec):
-                    break
-            for c in counting:
+                self.counters.record_verification(k, n_acc, name, alarm)
+            row = slice(0, n_acc + 1)
+            appended = self.scheduler.commit(
+                seq,
+                host["tokens"][b][row],
+                host["logprobs"][b][row],
+                host["policy_logprobs"][b][row],
+                self.policy_version,
+            )
+            for c in self.counters.active:
                 c.tokens += appended
             # positions whose K/V are kept: the prompt, or the fed tokens that stay in the
             # sequence (a stop inside the accepted drafts drops the fed tokens after it)
             committed.append(seq.prompt_len if launch.prefill else appended)
             seq.kv_len += committed[-1]
         if self.proposers:
-            taps = committed_taps(launch, committed, self.tap_layers)
-            for p in self.proposers.values():
-                p.observe(launch.seqs, accepted_all, taps, committed)
-        return [self._finish(s) for s in launch.seqs if s.finish_reason is not None]
-
-    def _finish(self, seq: SeqState) -> Result:
-        self.scheduler.release(seq)
-        for p in self.proposers.values():
-            p.release(seq)
-        if self.lookahead is not None:
-            self.lookahead.release(seq)
-        for c in self._counting():
-            c.finished += 1
-        if seq.text is None:
-            seq.text = self.codec.decode(seq.output) if self.codec is not None else ""
-        stats = seq.stats.to_dict()
-        stats["forwards"] = seq.forwards
-        stats["forwards_per_token"] = seq.forwards / max(len(seq.output), 1)
-        return Result(
-            request_id=seq.request_id,
-            index=seq.index,
-            prompt_tokens=seq.prompt,
-            tokens=seq.output,
-            text=seq.text,
-            logprobs=seq.logprobs,
-            policy_logprobs=seq.policy_logprobs,
-            finish_reason=seq.finish_reason or "length",
-            stop_reason=seq.stop_reason,
-            spec=stats,
-            policy_versions=seq.policy_versions,
-        )
-
-    def _learn(self, launch: Launch, host: dict[str, list], timed: bool = True) -> None:
-        """Feed the drafting cost models (``timed``: the step's times are samples), then the
-        acceptance estimates: one verification per sequence that was allowed to draft."""
-        for name, tokens, _, seconds, queued in launch.draft_calls if timed else ():
-            self.controller.record_draft(name, tokens, seconds, queued)
-        for b, arm in enumerate(launch.arms):
-            if arm is None or launch.caps[b] <= 0:
-                continue
-            k_used = launch.num_rows[b] - 1
-            emitted = host["num_accepted"][b] + 1
-            self.controller.record(arm, k_used, emitted, launch.caps[b])
+            taps = committed_taps(launch, committed, self.drafting.tap_layers)
+            self.drafting.observe(launch.seqs, accepted_all, taps, committed)
+        finished = []
+        for seq in [s for s in launch.seqs if s.finish_reason is not None]:
+            finished.append(self.scheduler.release(seq))
+            self.drafting.release(seq)
+            for c in self.counters.active:
+                c.finished += 1
+        return finished
 
     def warmup(self) -> int:
         """Compile the decode graphs now rather than in the first requests (``compile=True``;
         a server calls it before it reports healthy).  Decodes short synthetic requests — one
         alone (batch 1), then one with two samples (batch 2), greedy and sampled (a drafter's
         graphs differ) — once with the gate off (steps with drafts, M > 1) and once without
-        speculation (M = 1), then restores
-        the decision state and counters (:meth:`state_dict`): only the compiled graphs remain.
-        Returns the number of graphs compiled (0 for an eager engine)."""
+        speculation (M = 1), then restores the decision state and counters
+        (:meth:`state_dict`): only the compiled graphs remain.  Returns the number of graphs
+        compiled (0 for an eager engine)."""
         if self._compiled is None:
             return 0
         before = self.compiled_graphs or 0
         state = self.state_dict()
-        stop = self.eos_token_ids
-        ids = [t for t in range(self.vocab_size) if t not in stop][:3]
+        ids = [t for t in range(self.vocab_size) if t not in self.eos_token_ids][:3]
         prompt = (ids * 3)[:8]  # repeats, so n-gram drafters find matches
         max_tokens = min(8, self.max_model_len - len(prompt) - 1)
         if max_tokens < 2 or len(ids) < 2:
@@ -667,15 +418,14 @@ class RolloutEngine:
     @property
     def compiled_graphs(self) -> int | None:
         """Graphs compiled so far for the decode steps and the proposers (None: eager)."""
-        if self._compiled is None:
+        if self._compiled is None or self._compiled_decide is None:
             return None
-        extra = sum(p.compiled_graphs for p in self.proposers.values())
-        return self._compiled.graphs + self._compiled_decide.graphs + extra  # type: ignore[union-attr]
+        return self._compiled.graphs + self._compiled_decide.graphs + self.drafting.compiled_graphs
 
     @property
     def takes_draft_weights(self) -> bool:
         """Whether some proposer of this engine loads draft weights (:meth:`update_weights`)."""
-        return any(isinstance(p, SupportsWeights) for p in self.proposers.values())
+        return bool(self.drafting.weighted)
 
     def update_weights(
         self,
@@ -695,40 +445,26 @@ class RolloutEngine:
         """
         if policy is None and draft is None:
             raise ValueError("update_weights needs policy and/or draft weights")
-        weighted = [p for p in self.proposers.values() if isinstance(p, SupportsWeights)]
         if draft is not None and not self.takes_draft_weights:
             raise ConfigError(
                 "draft weights given, but no proposer of this engine has weights "
                 f"(proposers: {', '.join(self.proposers) or 'none'})"
             )
         # validated completely (names, shapes, dtypes, finite values, vocabulary maps) before
-        # anything is replaced: a refused update leaves every weight and version as it was
-        copies = self._policy_copies(policy) if policy is not None else []
+        # anything is replaced: a refused update leaves every weight and version as it was.
+        # A tied lm_head.weight is the embedding: optional, and not copied.
+        tied = ("lm_head.weight",) if self.model.config.tie_word_embeddings else ()
+        if policy is not None:
+            copies = plan_update("policy", policy, self.model.state_dict(), optional=tied)
         if draft is not None:
-            for p in weighted:
-                p.check_weights(draft)
+            self.drafting.check_weights(draft)
         if policy is not None:
             apply_update(copies)
             self.policy_version = version if version is not None else self.policy_version + 1
         if draft is not None:
-            for p in weighted:
-                p.load_weights(draft)
+            self.drafting.load_weights(draft)
             self.draft_version = version if version is not None else self.draft_version + 1
-        self.alarm.arm(
-            [name for name, p in self.proposers.items() if isinstance(p, SupportsWeights)],
-            self.policy_version,
-        )
-
-    def _policy_copies(self, state: Mapping[str, torch.Tensor]) -> list:
-        """The validated copies of a policy update (:func:`~specrl.rollout.weights.plan_update`;
-        a tied ``lm_head.weight`` is the embedding, so it is optional and not copied)."""
-        tied = self.model.config.tie_word_embeddings
-        optional = ("lm_head.weight",) if tied else ()
-        return plan_update("policy", state, self.model.state_dict(), optional=optional)
-
-    def _counting(self) -> tuple[Counters, ...]:
-        """The counters a step adds to: the engine's, and the ``generate`` call's if one runs."""
-        return (self._total,) if self._call is None else (self._total, self._call)
+        self.drafting.alarm.arm(list(self.drafting.weighted), self.policy_version)
 
     def stats(self) -> dict[str, Any]:
         """Counters since construction (:class:`~specrl.rollout.metrics.Counters`; a
@@ -736,90 +472,95 @@ class RolloutEngine:
         return {
             "policy_version": self.policy_version,
             "draft_version": self.draft_version,
-            **self._total.to_dict(),
+            **self.counters.total.to_dict(),
             "compiled_graphs": self.compiled_graphs,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            # a proposer's own state (EAGLE-3: its draft temperature scale), where it has any
-            "drafters": {name: stats for name, p in self.proposers.items() if (stats := p.stats())},
-            "gating": self.controller.to_dict(),
-            "alarm_tau": dict(self.alarm.last),
-            "alarm_armed": self.alarm.armed,
-            "decoupled": None
-            if self.lookahead is None
-            else {
-                **self.lookahead.to_dict(),
-                "modes": self.mode_choice.to_dict() if self.mode_choice is not None else None,
-            },
+            **self.drafting.stats(),  # drafters, gating, alarm, decoupled
         }
 
     # ---------------------------------------------------------------------- resumable state
-    STATE_FORMAT = 2  # 1: the reflective snapshots of specrl < 0.2 (no "format" key)
-
     def state_dict(self) -> dict[str, Any]:
         """JSON-able decision state (speculation policy, alarm, counters, sampling seeds,
         proposers' own) so a resumed run replays speculation exactly.  Needs an idle engine."""
         if self.has_unfinished():
             raise RuntimeError("state_dict() needs an idle engine")
-        version, internal, gauss = self._rng.getstate()
         return {
             "format": self.STATE_FORMAT,
             "policy_version": self.policy_version,
             "draft_version": self.draft_version,
-            "next_seq": self._next_seq,
-            "next_request": self._next_request,
-            "rng": [version, list(internal), gauss],
-            "controller": self.controller.state_dict(),
-            "alarm": self.alarm.state_dict(),
-            "counters": self._total.state_dict(),
-            "proposers": {name: p.state_dict() for name, p in self.proposers.items()},
+            **self.scheduler.state_dict(),  # next_seq, next_request, rng
+            **self.drafting.state_dict(),  # controller, alarm, proposers
+            "counters": self.counters.total.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output.  A state of the older reflective format keeps
         its versions, request counters and sampling seed; the speculation policy, alarm, counters
         and proposer histories then start fresh (one warning)."""
-        if "format" not in state:
-            self._load_legacy_state(state)
-            return
-        unknown = sorted(set(state["proposers"]) - set(self.proposers))
-        if unknown:
-            raise ConfigError(
-                f"saved engine state has proposer {unknown[0]!r}, which this engine lacks",
-                hint="resume with the recipe the run was started with",
-            )
+        legacy = "format" not in state
         try:
+            if legacy:
+                state = _from_legacy(state)
+            else:  # proposers first: one this engine lacks is refused before any restore
+                self.drafting.load_state_dict(state)
+                self.counters.total.load_state_dict(state["counters"])
             self.policy_version = int(state["policy_version"])
             self.draft_version = int(state["draft_version"])
-            self._next_seq, self._next_request = int(state["next_seq"]), int(state["next_request"])
-            version, internal, gauss = state["rng"]
-            self._rng.setstate((version, tuple(internal), gauss))
-            self.controller.load_state_dict(state["controller"])
-            self.alarm.load_state_dict(state["alarm"])
-            self._total.load_state_dict(state["counters"])
-            for name, saved in state["proposers"].items():
-                self.proposers[name].load_state_dict(saved)
+            self.scheduler.load_state_dict(state)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            if legacy:
+                raise CheckpointError(
+                    "saved engine state is in no format this specrl reads",
+                    hint="resume with the specrl version that wrote it",
+                ) from None
             raise CheckpointError(
                 f"saved engine state is malformed ({type(exc).__name__}: {str(exc)[:80]})",
                 hint="resume from an unaltered checkpoint",
             ) from None
-
-    def _load_legacy_state(self, state: Mapping[str, Any]) -> None:
-        try:
-            version, internal, gauss = state["_rng"]["__random__"]
-            self._rng.setstate((version, tuple(internal), gauss))
-            self.policy_version, self.draft_version = (
-                state["policy_version"],
-                state["draft_version"],
+        if legacy:
+            log.warning(
+                "engine state in the older format: versions and sampling seed restored; the "
+                "speculation policy, alarm, counters and proposer histories start fresh"
             )
-            self._next_seq, self._next_request = state["_next_seq"], state["_next_request"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(
-                "saved engine state is in no format this specrl reads",
-                hint="resume with the specrl version that wrote it",
-            ) from None
-        log.warning(
-            "engine state in the older format: versions and sampling seed restored; the "
-            "speculation policy, alarm, counters and proposer histories start fresh"
-        )
+
+
+def _eos_ids(
+    given: Sequence[int] | None, codec: TextCodec | None, model: Transformer
+) -> frozenset[int]:
+    """The stop token ids: those given, else the codec's eos ids, else the model config's."""
+    if given is None:
+        eos = codec.eos_ids if codec is not None else model.config.eos_token_id
+        given = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+    return frozenset(int(t) for t in given)
+
+
+def _decide(
+    logits: torch.Tensor, t: Mapping[str, Any], compiled: Compiled | None
+) -> tuple[torch.Tensor, ...]:
+    """The one verification call of a launch (:mod:`specrl.rollout.verify`) on its logits
+    [R, V]: (tokens [B, K+1], accepted [B], sampled logprobs, policy logprobs [B, K+1])."""
+    rows, q = t["row_index"], t.get("draft_probs")
+    args = (t["draft_tokens"], q, t["uniforms"], rows, t["num_drafts"])
+    if t.get("plain") and t["params"].all_greedy:  # argmax rows: no distribution to build
+        return decide_greedy(logits)
+    probs = sampling_probs(logits, t["params"])  # [R, V]
+    if t["padded"]:  # graph class: one sequence; drafts in the step; q given or one-hot
+        key = (rows.shape[0] == 1, rows.shape[1] == 1, q is None)
+        return compiled(probs, logits, *args, key=key)  # type: ignore[misc]
+    if t.get("plain"):  # BatchBuilder._prepare_plain: row b is sequence b's only row
+        return decide_plain(probs, logits, t["uniforms"])
+    return decide(probs, logits, *args)
+
+
+def _from_legacy(state: Mapping[str, Any]) -> dict[str, Any]:
+    """What a state of the older reflective format (no "format" key) still tells: versions,
+    request counters and the sampling seed generator."""
+    version, internal, gauss = state["_rng"]["__random__"]
+    return {
+        "policy_version": state["policy_version"],
+        "draft_version": state["draft_version"],
+        "next_seq": state["_next_seq"],
+        "next_request": state["_next_request"],
+        "rng": [version, internal, gauss],
+    }

@@ -89,13 +89,15 @@ class SpecController:
     committed).  The expected speedup is S(B) = max_arm v · t_p(B) / B, t_p the plain steps'
     curve, both priced conservatively (speculation dear, plain cheap where unmeasured).
 
-    Probes keep S measured, about a ``probe`` share of the steps: while a batch size is off,
+    Probes keep S measured, about a ``probe`` share of the time: while a batch size is off,
     one step speculates — a slice of ⌈B/8⌉ sequences when even an optimistic S could not turn
-    the gate on (acceptance stays fresh, new weights may pay), the whole batch with the arm the
-    decision ranks first when it might (the measurement then lands where the decision needs
-    it), spaced by its predicted cost (:meth:`_priced`); while on, one step runs plain.
-    A cold engine measures one plain step, then probes a slice: it never pays a full
-    speculative step at a batch size before a measurement says it could pay.
+    the gate on (acceptance stays fresh, new weights may pay), else the whole batch with the arm
+    an optimistic pricing ranks first (the measurement lands where the upside is) — spaced by
+    its price (:meth:`_priced`); while on, one step runs plain.  A batch at least twice as wide
+    as any that drafted so far is probed whole at once where it might pay: a slice's one
+    sequence cannot tell what eight cost (a drafter's cost is mostly per pass, not per row) and
+    the conservative extrapolation from it would keep the gate off.  A cold engine measures one
+    plain step, then probes a slice.
     """
 
     def __init__(
@@ -133,6 +135,8 @@ class SpecController:
         self._measured = 0
         self._prices_key: tuple[int, int] | None = None
         self._prices: tuple[dict[Arm, float], float, bool] = ({}, 1.0, False)
+        self._hopeful_arm: Arm | None = None
+        self.widest = 0  # most sequences that drafted in one step so far
         self.counts = {"spec_steps": 0, "plain_steps": 0, "probe_steps": 0, "since_probe": 0}
         self.selections = {str(a): 0 for a in self.arms}
 
@@ -163,16 +167,16 @@ class SpecController:
         rates, price, whole = self._priced(batch_size)
         on = self.gate.decide(batch_size, self._speedup(batch_size, rates))
         self.counts["since_probe"] += 1
-        wait = self._spacing * (1.0 if on else price)
-        if self.counts["since_probe"] < wait:
+        # a batch twice as wide as any that drafted yet, which might pay: probe it at once
+        early = not on and whole and batch_size >= 2 * self.widest
+        if not early and self.counts["since_probe"] < self._spacing * (1.0 if on else price):
             return self._spec(batch_size, self.arms, rates) if on else self._plain()
         self.counts["since_probe"] = 0
         self.counts["probe_steps"] += 1
         if on:
             return self._plain()
-        if whole:  # the best arm, priced as the decision prices it, on the whole batch
-            arm = max(rates, key=rates.__getitem__)
-            return self._spec(batch_size, [arm], rates)
+        if whole:  # the arm an optimistic pricing ranks first, on the whole batch
+            return self._spec(batch_size, [self._hopeful_arm], rates)
         return self._probe(batch_size)
 
     def _priced(self, batch_size: int) -> tuple[dict[Arm, float], float, bool]:
@@ -180,24 +184,27 @@ class SpecController:
         the whole batch), kept until a speculative measurement changes them: while the gate is
         off a step costs a lookup, not a pricing.
 
-        The probe takes the whole batch where even the optimistic S could turn the gate on
-        (the measurement then lands where the decision needs it), with the arm the decision
-        ranks first; else a slice.  Its price p = its predicted seconds / a plain step's (≥ 1)
-        spaces probes p times wider, so probing costs about a ``probe`` share of the time."""
+        The probe takes the whole batch where the optimistic S could turn the gate on, with the
+        arm the optimistic pricing ranks first (the measurement lands where the upside
+        is); else a slice.  Its price p is what it costs beyond the plain steps its
+        tokens replace, in plain steps (≥ 1): probes spaced p times wider cost about a
+        ``probe`` share of the time."""
         key = (batch_size, self._measured)
         if self._prices_key != key:
             rates = self._rates(batch_size)
-            optimistic = self._speedup(batch_size, self._rates(batch_size, True), True)
-            whole = optimistic > 1 + self.gate.hysteresis
+            hopeful = self._rates(batch_size, True)
+            whole = self._speedup(batch_size, hopeful, True) > 1 + self.gate.hysteresis
             plain = self.target[False].predict(batch_size) or 0.0
             if whole:
-                best = max(rates, key=rates.__getitem__)
+                best = max(hopeful, key=hopeful.__getitem__)
                 tau = self.accept[best.proposer].estimate(best.k)[0]
                 seconds = batch_size * tau / rates[best] if rates[best] > 0 else 0.0
+                saved = tau  # plain steps its tokens replace
             else:
-                seconds = self._slice_seconds(batch_size)
-            price = max(1.0, seconds / plain) if plain > 0 else 1.0
+                best, seconds, saved = None, self._slice_seconds(batch_size), 1.0
+            price = max(1.0, seconds / plain - saved) if plain > 0 else 1.0
             self._prices = (rates, price, whole)
+            self._hopeful_arm = best
             self._prices_key = key
         return self._prices
 
@@ -232,8 +239,23 @@ class SpecController:
     def _spec(
         self, batch_size: int, arms: Sequence[Arm], rates: Mapping[Arm, float] | None = None
     ) -> list[Arm | None]:
-        """Every sequence drafts with the bandit's arm; young proposers try their longest k
-        first (its verifications teach every shorter k)."""
+        """Every sequence drafts with the bandit's arm."""
+        return self._drafting(batch_size, batch_size, arms, rates)
+
+    def _probe(self, batch_size: int) -> list[Arm | None]:
+        """A slice probe: ⌈B/8⌉ sequences (rotating) draft with the bandit's arm, the others
+        plain."""
+        m = -(-batch_size // 8)
+        arms = self._drafting(batch_size, m, self.arms)
+        start = self.counts["spec_steps"] * m % batch_size
+        picked = {(start + i) % batch_size for i in range(m)}
+        return [a if b in picked else None for b, a in enumerate(arms)]
+
+    def _drafting(
+        self, batch_size: int, drafting: int, arms: Sequence[Arm], rates=None
+    ) -> list[Arm]:
+        """The bandit's arm for a step in which ``drafting`` of ``batch_size`` sequences draft;
+        young proposers try their longest k first (its verifications teach every shorter k)."""
         assert self.bandit is not None
         rates = rates if rates is not None else self._rates(batch_size)
         samples = {a: self.accept[a.proposer].samples(a.k) for a in arms}
@@ -241,18 +263,9 @@ class SpecController:
         pool = list(young.values()) or arms  # arms ascend in k: the longest young one stays
         arm = self.bandit.choose({a: rates[a] for a in pool}, samples)
         self.counts["spec_steps"] += 1
-        self.selections[str(arm)] += batch_size
+        self.selections[str(arm)] += drafting
+        self.widest = max(self.widest, drafting)
         return [arm] * batch_size
-
-    def _probe(self, batch_size: int) -> list[Arm | None]:
-        """A slice probe: ⌈B/8⌉ sequences (rotating) draft with the bandit's arm (young
-        proposers their longest k), the others plain."""
-        arms = self._spec(batch_size, self.arms)
-        m = -(-batch_size // 8)
-        self.selections[str(arms[0])] -= batch_size - m
-        start = self.counts["spec_steps"] * m % batch_size
-        picked = {(start + i) % batch_size for i in range(m)}
-        return [a if b in picked else None for b, a in enumerate(arms)]
 
     def _plain(self) -> None:
         self.counts["plain_steps"] += 1
@@ -307,6 +320,7 @@ class SpecController:
             "bandit": None if self.bandit is None else self.bandit.state_dict(),
             "counts": dict(self.counts),
             "selections": dict(self.selections),
+            "widest": self.widest,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -322,6 +336,7 @@ class SpecController:
         if self.bandit is not None and state["bandit"] is not None:
             self.bandit.load_state_dict(state["bandit"])
         self.counts.update(state["counts"])
+        self.widest = int(state.get("widest", 0))
         self._prices_key = None
         self.selections.update(
             {k: v for k, v in state["selections"].items() if k in self.selections}

@@ -194,6 +194,44 @@ class Counters:
         }
 
 
+class EngineCounters:
+    """The counters an engine step adds to: ``total`` since construction (``stats()``) and,
+    while a ``generate`` call runs, that call's own (its ``Results.stats``).  ``active`` holds
+    those that count now, so a step adds to each with one loop."""
+
+    def __init__(self, proposers: Sequence[str]) -> None:
+        self.proposers = list(proposers)
+        self.total = Counters.for_proposers(self.proposers)
+        self.active: tuple[Counters, ...] = (self.total,)
+
+    def begin_call(self) -> Counters:
+        """A ``generate`` call starts: its own counters (with its rollout wave) count too."""
+        call = Counters.for_proposers(self.proposers, wave=True)
+        self.active = (self.total, call)
+        return call
+
+    def end_call(self) -> None:
+        self.active = (self.total,)
+
+    def record_step(self, seconds: float, live: int, drafting: int) -> None:
+        """One engine step of ``seconds``: ``live`` sequences prefilled or decoded in it, of
+        which ``drafting`` carried drafts."""
+        for c in self.active:
+            c.steps += 1
+            c.seconds += seconds
+            if c.wave is not None:
+                c.wave.append((live, drafting))
+
+    def record_verification(self, k: int, accepted: int, proposer: str | None, alarm: bool):
+        """One decode verification of k draft tokens (``proposer``'s) with ``accepted`` kept;
+        ``alarm``: it completed a window that raised the stale-draft alarm."""
+        for c in self.active:
+            c.spec.record(k, accepted, proposer)
+            if proposer is not None:
+                c.proposers[proposer].record(k, accepted, proposer)
+            c.alarms += alarm
+
+
 @dataclass
 class _Window:
     drafts: int = 0

@@ -425,42 +425,8 @@ def parse_completion(
 
     Everything that needs no tokenizer is checked first (fields, counts, each prompt's length
     against ``max_chars``), so an oversized prompt is refused without being tokenized."""
-    if body.get("stream"):
-        raise ApiError(400, "streaming is not supported", "stream")
-    if body.get("echo"):
-        raise ApiError(400, "echo is not supported", "echo")
-    prompt = body.get("prompt")
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise ApiError(400, "'prompt' must be a string or a non-empty list of strings", "prompt")
-    if len(prompts) > limits.max_prompts:
-        raise ApiError(400, f"at most {limits.max_prompts} prompts per request", "prompt")
-    max_tokens = _int(body, "max_tokens", 16, 1, limits.max_tokens)
-    n = _int(body, "n", 1, 1, limits.max_n)
-    top_k = _int(body, "top_k", 0, -1)
-    seed = _int(body, "seed", None, -(2**63))
-    logprobs = _int(body, "logprobs", None, 0)
-    if logprobs:
-        raise ApiError(
-            400,
-            "only logprobs=0 is supported (sampled-token logprobs, no alternatives)",
-            "logprobs",
-        )
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise ApiError(400, "'stop' must be a non-empty string or a list of them", "stop")
-    if len(stops) > limits.max_stop:
-        raise ApiError(400, f"at most {limits.max_stop} stop strings", "stop")
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=_float(body, "temperature", 1.0, 0.0, 100.0),
-        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=max(top_k, 0),
-        seed=seed,
-        n=n,
-        stop=tuple(stops),
-    )
+    prompts = _prompts(body, limits)
+    params = _sampling_params(body, limits)
     if max_chars is not None:
         for i, text in enumerate(prompts):
             if len(text) > max_chars:
@@ -481,16 +447,60 @@ def parse_completion(
                 f"prompt {i} has {len(ids)} tokens; the limit is {limits.max_prompt_tokens}",
                 "prompt",
             )
-        if len(ids) + max_tokens > max_model_len:
+        if len(ids) + params.max_tokens > max_model_len:
             raise ApiError(
                 400,
-                f"prompt {i} ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model "
-                f"length {max_model_len}",
+                f"prompt {i} ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"the model length {max_model_len}",
                 "max_tokens",
             )
         requests.append(Request(ids, params))
         counts.append(len(ids))
     return requests, counts
+
+
+def _prompts(body: dict[str, Any], limits: ServerLimits) -> list[str]:
+    """The body's prompts (a string or a list of them), refusing what is not supported."""
+    if body.get("stream"):
+        raise ApiError(400, "streaming is not supported", "stream")
+    if body.get("echo"):
+        raise ApiError(400, "echo is not supported", "echo")
+    prompt = body.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ApiError(400, "'prompt' must be a string or a non-empty list of strings", "prompt")
+    if len(prompts) > limits.max_prompts:
+        raise ApiError(400, f"at most {limits.max_prompts} prompts per request", "prompt")
+    return prompts
+
+
+def _sampling_params(body: dict[str, Any], limits: ServerLimits) -> SamplingParams:
+    """The body's sampling fields, each checked against its type and bounds."""
+    max_tokens = _int(body, "max_tokens", 16, 1, limits.max_tokens)
+    n = _int(body, "n", 1, 1, limits.max_n)
+    top_k = _int(body, "top_k", 0, -1)
+    seed = _int(body, "seed", None, -(2**63))
+    if _int(body, "logprobs", None, 0):
+        raise ApiError(
+            400,
+            "only logprobs=0 is supported (sampled-token logprobs, no alternatives)",
+            "logprobs",
+        )
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of them", "stop")
+    if len(stops) > limits.max_stop:
+        raise ApiError(400, f"at most {limits.max_stop} stop strings", "stop")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_float(body, "temperature", 1.0, 0.0, 100.0),
+        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=max(top_k, 0),
+        seed=seed,
+        n=n,
+        stop=tuple(stops),
+    )
 
 
 def completion_response(
@@ -545,97 +555,100 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def prometheus_text(stats: dict[str, Any]) -> str:
-    """Engine stats in the Prometheus text exposition format (version 0.0.4)."""
-    lines: list[str] = []
+def _at(*path: str) -> Callable[[dict[str, Any]], list[tuple[dict[str, str], Any]]]:
+    """One unlabelled sample: the stats value at ``path`` (keys, outermost first)."""
 
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[dict[str, str], Any]]):
-        lines.append(f"# HELP specrl_{name} {help_}")
-        lines.append(f"# TYPE specrl_{name} {kind}")
-        for labels, value in samples:
-            if value is None:
-                continue
-            tag = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
-            lines.append(
-                f"specrl_{name}{{{tag}}} {float(value)!r}"
-                if tag
-                else f"specrl_{name} {float(value)!r}"
-            )
+    def samples(stats: dict[str, Any]) -> list[tuple[dict[str, str], Any]]:
+        value: Any = stats
+        for key in path:
+            value = value[key]
+        return [({}, value)]
 
-    spec, gate = stats["spec"], stats["gating"]
-    metric("tokens_total", "counter", "Tokens emitted.", [({}, stats["tokens"])])
-    metric("steps_total", "counter", "Engine steps.", [({}, stats["steps"])])
-    metric(
+    return samples
+
+
+# (name, kind, help, samples of the stats dict): the /metrics page, in order.  The stats are
+# RolloutEngine.stats() (Counters.to_dict() and the engine's state), plus the HTTP worker's own
+# counters under "server" (EngineWorker.counters) for _SERVER_METRICS.
+_Samples = Callable[[dict[str, Any]], list[tuple[dict[str, str], Any]]]
+_METRICS: tuple[tuple[str, str, str, _Samples], ...] = (
+    ("tokens_total", "counter", "Tokens emitted.", _at("tokens")),
+    ("steps_total", "counter", "Engine steps.", _at("steps")),
+    (
         "target_forwards_total",
         "counter",
         "Target model forwards.",
-        [
-            ({"kind": "prefill"}, stats["prefill_forwards"]),
-            ({"kind": "decode"}, stats["decode_forwards"]),
+        lambda s: [
+            ({"kind": "prefill"}, s["prefill_forwards"]),
+            ({"kind": "decode"}, s["decode_forwards"]),
         ],
-    )
-    metric(
-        "busy_seconds_total", "counter", "Seconds spent in engine steps.", [({}, stats["seconds"])]
-    )
-    metric("sequences_finished_total", "counter", "Finished samples.", [({}, stats["finished"])])
-    metric("sequences_running", "gauge", "Samples in KV-cache slots.", [({}, stats["running"])])
-    metric("sequences_waiting", "gauge", "Samples waiting for a slot.", [({}, stats["waiting"])])
-    metric(
-        "spec_drafts_total",
-        "counter",
-        "Verifications that carried a draft.",
-        [({}, spec["drafts"])],
-    )
-    metric(
-        "spec_draft_tokens_total", "counter", "Draft tokens verified.", [({}, spec["draft_tokens"])]
-    )
-    metric(
-        "spec_accepted_tokens_total", "counter", "Draft tokens accepted.", [({}, spec["accepted"])]
-    )
-    metric("spec_tau", "gauge", "Mean acceptance length 1 + accepted/drafts.", [({}, spec["tau"])])
-    metric(
+    ),
+    ("busy_seconds_total", "counter", "Seconds spent in engine steps.", _at("seconds")),
+    ("sequences_finished_total", "counter", "Finished samples.", _at("finished")),
+    ("sequences_running", "gauge", "Samples in KV-cache slots.", _at("running")),
+    ("sequences_waiting", "gauge", "Samples waiting for a slot.", _at("waiting")),
+    ("spec_drafts_total", "counter", "Verifications that carried a draft.", _at("spec", "drafts")),
+    ("spec_draft_tokens_total", "counter", "Draft tokens verified.", _at("spec", "draft_tokens")),
+    ("spec_accepted_tokens_total", "counter", "Draft tokens accepted.", _at("spec", "accepted")),
+    ("spec_tau", "gauge", "Mean acceptance length 1 + accepted/drafts.", _at("spec", "tau")),
+    (
         "spec_position_acceptance",
         "gauge",
         "Acceptance rate at each draft position.",
-        [({"position": str(i + 1)}, v) for i, v in enumerate(spec["per_position"])],
-    )
-    metric(
+        lambda s: [({"position": str(i + 1)}, v) for i, v in enumerate(s["spec"]["per_position"])],
+    ),
+    (
         "spec_proposer_drafts_total",
         "counter",
         "Drafts per proposer.",
-        [({"proposer": k}, v) for k, v in sorted(spec["selections"].items())],
-    )
-    metric(
+        lambda s: [({"proposer": k}, v) for k, v in sorted(s["spec"]["selections"].items())],
+    ),
+    (
         "spec_gate_on",
         "gauge",
         "1 while the batch-size gate allows speculation (at the batch size of the last step).",
-        [({}, gate["gate_on"])],
-    )
-    metric(
-        "spec_gate_switches_total", "counter", "Gate state changes.", [({}, gate["gate_switches"])]
-    )
-    metric(
+        _at("gating", "gate_on"),
+    ),
+    ("spec_gate_switches_total", "counter", "Gate state changes.", _at("gating", "gate_switches")),
+    (
         "spec_alarms_total",
         "counter",
         "Stale-draft alarms (τ ≈ 1 after a weight update).",
-        [({}, stats["alarms"])],
-    )
-    metric("policy_version", "gauge", "Policy weights version.", [({}, stats["policy_version"])])
-    metric("draft_version", "gauge", "Draft weights version.", [({}, stats["draft_version"])])
-    server = stats.get("server")
-    if server is not None:  # the HTTP worker's own counters (EngineWorker.counters)
-        metric(
-            "requests_cancelled_total",
-            "counter",
-            "Requests dropped because their client disconnected.",
-            [({}, server["cancelled"])],
-        )
-        metric(
-            "step_failures_total",
-            "counter",
-            "Engine steps that raised (the requests in them failed).",
-            [({}, server["step_failures"])],
-        )
+        _at("alarms"),
+    ),
+    ("policy_version", "gauge", "Policy weights version.", _at("policy_version")),
+    ("draft_version", "gauge", "Draft weights version.", _at("draft_version")),
+)
+_SERVER_METRICS: tuple[tuple[str, str, str, _Samples], ...] = (
+    (
+        "requests_cancelled_total",
+        "counter",
+        "Requests dropped because their client disconnected.",
+        _at("server", "cancelled"),
+    ),
+    (
+        "step_failures_total",
+        "counter",
+        "Engine steps that raised (the requests in them failed).",
+        _at("server", "step_failures"),
+    ),
+)
+
+
+def prometheus_text(stats: dict[str, Any]) -> str:
+    """Engine stats in the Prometheus text exposition format (version 0.0.4): every metric of
+    :data:`_METRICS` (and :data:`_SERVER_METRICS` when the stats carry the worker's counters),
+    its HELP and TYPE lines, then one line per sample whose value is known."""
+    table = _METRICS + (_SERVER_METRICS if stats.get("server") is not None else ())
+    lines: list[str] = []
+    for name, kind, help_, samples in table:
+        lines += [f"# HELP specrl_{name} {help_}", f"# TYPE specrl_{name} {kind}"]
+        for labels, value in samples(stats):
+            if value is None:
+                continue
+            tag = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
+            sample = f"specrl_{name}{{{tag}}}" if tag else f"specrl_{name}"
+            lines.append(f"{sample} {float(value)!r}")
     return "\n".join(lines) + "\n"
 
 
@@ -667,6 +680,20 @@ def confine(path: Any, allowed: Sequence[Path]) -> Path:
 
 
 # ---------------------------------------------------------------------------- the app
+@dataclass(frozen=True)
+class _Server:
+    """What the route handlers read (``app.state.server``)."""
+
+    worker: EngineWorker
+    codec: TextCodec
+    model_name: str
+    limits: ServerLimits
+    max_chars: int | None  # prompt characters refused before tokenizing (prompt_char_bound)
+    update_token: str | None  # None: POST /v1/weights is refused
+    allowed: list[Path]  # resolved directories weight files may be read from
+    on_shutdown: Callable[[], None] | None
+
+
 def create_app(
     worker: EngineWorker,
     codec: TextCodec,
@@ -682,109 +709,131 @@ def create_app(
     ``weights_dirs``: the directories ``POST /v1/weights`` may read files from (none: every
     path is refused)."""
     limits = limits or ServerLimits()
-    engine = worker.engine
     max_chars = (
         limits.max_prompt_chars
         if limits.max_prompt_chars is not None
         else prompt_char_bound(codec, limits.max_prompt_tokens)
     )
     allowed = [Path(os.path.realpath(d)) for d in weights_dirs]
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        worker.start()
-        yield
-        await run_in_threadpool(worker.stop)
-        if on_shutdown is not None:
-            on_shutdown()
-
-    app = FastAPI(title="specrl rollout server", lifespan=lifespan)
-
-    def error(status: int, message: str, param: str | None = None) -> JSONResponse:
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-        return JSONResponse(body, status_code=status)
-
-    @app.exception_handler(ApiError)
-    async def api_error(_request: HttpRequest, exc: ApiError) -> JSONResponse:
-        return error(exc.status, exc.message, exc.param)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_request: HttpRequest, exc: Exception) -> JSONResponse:
-        log.error("unexpected error in a request handler", exc_info=exc)
-        return error(500, f"internal server error ({type(exc).__name__})")
-
-    async def read_json(request: HttpRequest) -> dict[str, Any]:
-        body = await read_body(request, limits.max_body_bytes)
-        return await run_in_threadpool(parse_json, body, limits.max_json_depth)
-
-    @app.post("/v1/completions")
-    async def completions(request: HttpRequest) -> JSONResponse:
-        body = await read_json(request)
-        # tokenizing is request-sized work: off the event loop, after every cheaper check
-        requests, counts = await run_in_threadpool(
-            parse_completion, body, codec, limits, engine.max_model_len, max_chars
-        )
-        if not worker.alive:
-            raise ApiError(503, "the engine is not running")
-        try:
-            results = await worker.generate(requests, request.is_disconnected)
-        except ClientGone as exc:  # nobody reads this answer; uvicorn drops it
-            raise ApiError(499, str(exc)) from None
-        except StepFailure as exc:
-            raise ApiError(
-                500, f"{exc}; the request was dropped, the server keeps serving"
-            ) from None
-        except (ValueError, SpecrlError) as exc:
-            raise ApiError(400, str(exc)) from None
-        name = body.get("model") if isinstance(body.get("model"), str) else model_name
-        want = body.get("logprobs") is not None
-        response = await run_in_threadpool(completion_response, results, counts, codec, name, want)
-        return JSONResponse(response)
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        body = {"status": "ok" if worker.alive else "failed", **worker.health()}
-        return JSONResponse(body, status_code=200 if worker.alive else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        stats = await run_in_threadpool(worker.snapshot)  # waits for the step under way
-        return PlainTextResponse(prometheus_text(stats), media_type="text/plain; version=0.0.4")
-
-    @app.post("/v1/weights")
-    async def weights(request: HttpRequest) -> JSONResponse:
-        if update_token is None:
-            raise ApiError(
-                403,
-                "weight updates are disabled: start the server with --update-token-file FILE "
-                "or SPECRL_UPDATE_TOKEN set",
-            )
-        given = request.headers.get("authorization", "")
-        expected = f"Bearer {update_token}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):
-            raise ApiError(401, "missing or wrong bearer token")
-        body = await read_json(request)
-        target = body.get("target", "policy")
-        if target not in ("policy", "draft"):
-            raise ApiError(400, "'target' must be 'policy' or 'draft'", "target")
-        version = _int(body, "version", None, 0)
-        path = await run_in_threadpool(confine, body.get("path"), allowed)
-        try:
-            state = await run_in_threadpool(read_safetensors, [path])
-            # validated completely by the engine before anything is replaced
-            await worker.update_weights(**{target: state}, version=version)
-        except SpecrlError as exc:
-            raise ApiError(400, exc.message) from None
-        except StepFailure as exc:
-            raise ApiError(500, str(exc)) from None
-        h = worker.health()
-        return JSONResponse(
-            {
-                "status": "ok",
-                "policy_version": h["policy_version"],
-                "draft_version": h["draft_version"],
-            }
-        )
-
+    app = FastAPI(title="specrl rollout server", lifespan=_lifespan)
+    app.state.server = _Server(
+        worker, codec, model_name, limits, max_chars, update_token, allowed, on_shutdown
+    )
+    app.add_exception_handler(ApiError, _api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _internal_error)
+    app.add_api_route("/v1/completions", _completions, methods=["POST"])
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/metrics", _metrics, methods=["GET"])
+    app.add_api_route("/v1/weights", _weights, methods=["POST"])
     return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    server: _Server = app.state.server
+    server.worker.start()
+    yield
+    await run_in_threadpool(server.worker.stop)
+    if server.on_shutdown is not None:
+        server.on_shutdown()
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """OpenAI's error object."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+async def _api_error(_request: HttpRequest, exc: ApiError) -> JSONResponse:
+    return _error(exc.status, exc.message, exc.param)
+
+
+async def _internal_error(_request: HttpRequest, exc: Exception) -> JSONResponse:
+    log.error("unexpected error in a request handler", exc_info=exc)
+    return _error(500, f"internal server error ({type(exc).__name__})")
+
+
+async def _read_json(request: HttpRequest) -> dict[str, Any]:
+    limits = request.app.state.server.limits
+    body = await read_body(request, limits.max_body_bytes)
+    return await run_in_threadpool(parse_json, body, limits.max_json_depth)
+
+
+async def _completions(request: HttpRequest) -> JSONResponse:
+    """``POST /v1/completions``."""
+    server: _Server = request.app.state.server
+    worker = server.worker
+    body = await _read_json(request)
+    # tokenizing is request-sized work: off the event loop, after every cheaper check
+    requests, counts = await run_in_threadpool(
+        parse_completion,
+        body,
+        server.codec,
+        server.limits,
+        worker.engine.max_model_len,
+        server.max_chars,
+    )
+    if not worker.alive:
+        raise ApiError(503, "the engine is not running")
+    try:
+        results = await worker.generate(requests, request.is_disconnected)
+    except ClientGone as exc:  # nobody reads this answer; uvicorn drops it
+        raise ApiError(499, str(exc)) from None
+    except StepFailure as exc:
+        raise ApiError(500, f"{exc}; the request was dropped, the server keeps serving") from None
+    except (ValueError, SpecrlError) as exc:
+        raise ApiError(400, str(exc)) from None
+    name = body.get("model") if isinstance(body.get("model"), str) else server.model_name
+    want = body.get("logprobs") is not None
+    response = await run_in_threadpool(
+        completion_response, results, counts, server.codec, name, want
+    )
+    return JSONResponse(response)
+
+
+async def _health(request: HttpRequest) -> JSONResponse:
+    """``GET /health``: answered without waiting for the engine."""
+    worker = request.app.state.server.worker
+    body = {"status": "ok" if worker.alive else "failed", **worker.health()}
+    return JSONResponse(body, status_code=200 if worker.alive else 503)
+
+
+async def _metrics(request: HttpRequest) -> PlainTextResponse:
+    """``GET /metrics``: waits for the step under way."""
+    stats = await run_in_threadpool(request.app.state.server.worker.snapshot)
+    return PlainTextResponse(prometheus_text(stats), media_type="text/plain; version=0.0.4")
+
+
+async def _weights(request: HttpRequest) -> JSONResponse:
+    """``POST /v1/weights``: bearer token, a file inside ``weights_dirs``, validated by the
+    engine before any weight is replaced."""
+    server: _Server = request.app.state.server
+    if server.update_token is None:
+        raise ApiError(
+            403,
+            "weight updates are disabled: start the server with --update-token-file FILE "
+            "or SPECRL_UPDATE_TOKEN set",
+        )
+    given = request.headers.get("authorization", "")
+    expected = f"Bearer {server.update_token}"
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        raise ApiError(401, "missing or wrong bearer token")
+    body = await _read_json(request)
+    target = body.get("target", "policy")
+    if target not in ("policy", "draft"):
+        raise ApiError(400, "'target' must be 'policy' or 'draft'", "target")
+    version = _int(body, "version", None, 0)
+    path = await run_in_threadpool(confine, body.get("path"), server.allowed)
+    try:
+        state = await run_in_threadpool(read_safetensors, [path])
+        # validated completely by the engine before anything is replaced
+        await server.worker.update_weights(**{target: state}, version=version)
+    except SpecrlError as exc:
+        raise ApiError(400, exc.message) from None
+    except StepFailure as exc:
+        raise ApiError(500, str(exc)) from None
+    h = server.worker.health()
+    return JSONResponse(
+        {"status": "ok", "policy_version": h["policy_version"], "draft_version": h["draft_version"]}
+    )

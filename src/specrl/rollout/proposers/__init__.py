@@ -56,6 +56,7 @@ import torch
 
 from specrl.errors import ConfigError
 from specrl.models.decoder import Transformer
+from specrl.rollout.compiled import CHECK_EVERY
 from specrl.rollout.types import Draft, SeqState
 
 __all__ = [
@@ -161,6 +162,7 @@ class ProposerContext:
     num_slots: int  # concurrent sequences
     seed: int
     compile: bool = False  # the engine compiles its decode steps; a proposer may compile its own
+    guard_check_every: int = CHECK_EVERY  # for its Compiled callables (rollout.compiled)
 
 
 ProposerFactory = Callable[..., Proposer]  # (ctx: ProposerContext, **options) -> Proposer

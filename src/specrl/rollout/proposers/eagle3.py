@@ -194,9 +194,12 @@ class Eagle3Proposer(ProposerBase):
         self._one_layouts: dict[int, PackedLayout] = {}
         self._compiled = self._compiled_start = None
         if ctx.compile:  # the round's passes under torch.compile (specrl.rollout.compiled)
-            self._compiled = Compiled(self._chain_draw, self.device, "the eagle3 chain step")
+            every = ctx.guard_check_every
+            self._compiled = Compiled(
+                self._chain_draw, self.device, "the eagle3 chain step", check_every=every
+            )
             self._compiled_start = Compiled(
-                self._start_draw, self.device, "the eagle3 catch-up step"
+                self._start_draw, self.device, "the eagle3 catch-up step", check_every=every
             )
 
     @property
