@@ -14,13 +14,13 @@ from specrl.train.ttt import teacher_from_logits, ttt_inputs, ttt_loss
 V = 41
 
 
-def make_pair(draft_vocab: int = 29, seed: int = 0, dtype=torch.float64):
-    tcfg = preset_config("toy-tiny", vocab_size=V, num_hidden_layers=3)
+def make_pair(draft_vocab: int = 29, seed: int = 0, dtype=torch.float64, vocab: int = V):
+    tcfg = preset_config("toy-tiny", vocab_size=vocab, num_hidden_layers=3)
     target = Transformer(tcfg).init_weights(seed, std=0.3).to(dtype)
     dcfg = DraftConfig.for_target(tcfg, draft_vocab_size=draft_vocab, tap_layers=(0, 1, 2))
     draft = init_draft_weights(Eagle3Draft(dcfg), seed + 1, std=0.2).to(dtype)
     gen = torch.Generator().manual_seed(seed)
-    counts = torch.randint(0, 100, (V,), generator=gen)
+    counts = torch.randint(0, 100, (vocab,), generator=gen)
     draft.set_vocab_map(build_vocab_map(counts, draft_vocab))
     draft.refresh_embedding(target.model.embed_tokens.weight)
     return target, draft

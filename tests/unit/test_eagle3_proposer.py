@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -192,6 +194,47 @@ def test_backlog_counts_the_positions_the_draft_has_not_seen():
     assert 2 <= prop.backlog(list(running.values())) <= 2 * 3  # then what it committed
 
 
+@pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="torch.compile on CPU needs a C++ compiler",
+)
+def test_a_compiled_round_is_continued_ahead_exactly():
+    """A compiled round (the whole batch in every pass, shorter chains cut afterwards) keeps
+    its chains' ends as an eager round does: k compiled tokens, then k' drafted ahead, are the
+    tokens and q of one compiled k + k' round (the same generator draws, float64).  A
+    vocabulary of its own: the graphs compiled here are its own (other tests count theirs)."""
+    target, draft = make_pair(seed=4, vocab=43)
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=3)
+    options = {"eagle3": {"draft": draft, "temperature_scale": 1.0}}
+    spec = SpecConfig(proposers=("eagle3",), max_k=8, gate=False, proposer_options=options)
+
+    def prefilled():
+        engine = make_engine(target, max_batch_size=3, spec=spec, compile=True, guard_check_every=1)
+        engine.add_requests([Request(PROMPTS[0], params), Request(PROMPTS[3], params)])
+        engine.step()  # prefill: the proposer holds the prompts' taps
+        prop, starts = engine.proposers["eagle3"], []
+        inner = prop._compiled_start
+
+        def start(*args, **kwargs):  # the compiled round's first pass ran
+            starts.append(kwargs["key"])
+            return inner(*args, **kwargs)
+
+        prop._compiled_start = start
+        return prop, engine.scheduler.running, starts
+
+    prop, seqs, starts = prefilled()
+    long = prop.propose(seqs, [6, 6])
+    prop, seqs, starts_short = prefilled()
+    short = prop.propose(seqs, [2, 3])
+    assert starts and starts_short  # both rounds were compiled
+    ahead = prop.propose_ahead(seqs, short, [4, 3])
+    for b, (k, k2) in enumerate(((2, 4), (3, 3))):
+        assert short[b].tokens + ahead[b].tokens == long[b].tokens[: k + k2]
+        q = torch.cat([short[b].probs, ahead[b].probs])
+        torch.testing.assert_close(q, long[b].probs[: k + k2], rtol=0, atol=1e-12)
+    assert len(set(long[0].tokens)) > 1  # a chain that depends on its rows
+
+
 @pytest.mark.parametrize("bad", [0, -0.5, "hot", True, None])
 def test_temperature_scale_rejects_bad_values(bad):
     with pytest.raises(ConfigError, match="temperature_scale"):
@@ -221,7 +264,7 @@ def test_fixed_temperature_scale_draws_nothing_and_reports_its_q():
     for h, q in seen:
         logits = prop.draft.logits(h[None])[0]
         want = torch.zeros_like(q)
-        want[prop._to_target] = torch.softmax(logits.double() / (0.8 * 0.25), -1).to(q.dtype)
+        want[prop.passes.to_target] = torch.softmax(logits.double() / (0.8 * 0.25), -1).to(q.dtype)
         torch.testing.assert_close(q, want)
     assert prop.temperature_scale.to_dict()["mode"] == "fixed"
 

@@ -158,7 +158,7 @@ def simulate(ctrl, batch, steps, a, b, alpha, draft=0.0, seed=0):
             rows, tokens = rows + 1 + arm.k, tokens + accepted + 1
             proposers.add(arm.proposer)
         step = a + b * rows
-        ctrl.record_step(rows, step, rows > batch)
+        ctrl.record_step(rows, step, "coupled" if rows > batch else "plain")
         for p in proposers:
             ctrl.record_draft(p, batch, draft)
         seconds += step + draft * len(proposers)
@@ -168,7 +168,7 @@ def simulate(ctrl, batch, steps, a, b, alpha, draft=0.0, seed=0):
 def test_a_cold_controller_measures_plain_then_probes_a_slice():
     ctrl = SpecController(spec(), ["p"])
     assert ctrl.plan(64) is None  # the plain baseline first
-    ctrl.record_step(64, 1e-2, False)
+    ctrl.record_step(64, 1e-2, "plain")
     probe = ctrl.plan(64)
     assert sum(a is not None for a in probe) == 8  # ⌈64/8⌉ sequences draft, the rest plain
     assert {a for a in probe if a is not None} == {Arm("p", 4)}  # the longest k teaches all
@@ -208,7 +208,9 @@ def test_gate_speculates_in_the_tail_and_not_in_the_full_batch():
                     acc += 1
                 ctrl.record(arm, arm.k, acc + 1)
                 rows += 1 + arm.k
-            ctrl.record_step(rows, 1e-2 * max(1.0, rows / 64), rows > batch)
+            ctrl.record_step(
+                rows, 1e-2 * max(1.0, rows / 64), "coupled" if rows > batch else "plain"
+            )
 
     for wave in range(4):
         run(64, 80, wave)
@@ -233,7 +235,7 @@ def test_one_sequence_probe_does_not_keep_a_paying_batch_off():
             while acc < arm.k and rng.random() < 0.9:
                 acc += 1
             ctrl.record(arm, arm.k, acc + 1)
-        ctrl.record_step(rows, 1e-2 + 2e-4 * rows, bool(drafting))
+        ctrl.record_step(rows, 1e-2 + 2e-4 * rows, "coupled" if drafting else "plain")
         if drafting:
             k = drafting[0].k
             ctrl.record_draft("p", len(drafting) * k, 2e-3 * k + 1e-5 * len(drafting) * k)
@@ -254,7 +256,7 @@ def test_best_of_n_picks_the_better_drafter_and_k():
     for _ in range(400):
         arms = ctrl.plan(1)
         if arms is None:
-            ctrl.record_step(1, 1e-2, False)
+            ctrl.record_step(1, 1e-2, "plain")
             continue
         arm = arms[0]
         alpha = 0.9 if arm.proposer == "good" else 0.2
@@ -262,7 +264,7 @@ def test_best_of_n_picks_the_better_drafter_and_k():
         while acc < arm.k and rng.random() < alpha:
             acc += 1
         ctrl.record(arm, arm.k, acc + 1)
-        ctrl.record_step(1 + arm.k, 1e-2, True)
+        ctrl.record_step(1 + arm.k, 1e-2, "coupled")
     chosen = ctrl.to_dict()["selections"]
     assert max(chosen, key=chosen.get) == "good/k=4"
     assert chosen.get("poor/k=4", 0) < 0.2 * chosen["good/k=4"]
@@ -439,7 +441,7 @@ def test_every_timed_decode_step_feeds_the_cost_curves(model):
     s = engine.stats()
     assert s["prefill_forwards"] > 1  # steps with admissions are measured too (prefill excluded)
     ctrl = engine.controller
-    assert ctrl.target[False].observations + ctrl.target[True].observations == s["decode_forwards"]
+    assert sum(c.observations for c in ctrl.target.values()) == s["decode_forwards"]
 
 
 def test_engine_static_table_speculates_only_where_it_says(model):

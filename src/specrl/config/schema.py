@@ -221,7 +221,8 @@ class SpeculationConfig:
         False,
         "Decoupled drafting (embedded engine): a drafter worker drafts the next step while the "
         "target verifies this one, assuming this step's drafts accepted (lossless either way); "
-        "auto: per batch size, coupled or decoupled by measured throughput.",
+        "the gate still decodes plainly where that is cheaper; auto: plain, coupled or decoupled "
+        "per batch size by measured cost.",
     )
     drafter_threads: int | None = doc(
         1,

@@ -1,4 +1,5 @@
-"""Process-level runtime helpers: device choice, seeding, determinism, thread count."""
+"""Process-level runtime helpers: device choice, seeding, determinism, thread count, and the
+deterministic clock."""
 
 from __future__ import annotations
 
@@ -33,3 +34,19 @@ def set_determinism(enabled: bool, threads: int = 0) -> None:
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+class UnitClock:
+    """Deterministic engine clock (``run.deterministic``): every reading advances one unit (one
+    forward = one unit), so timing-driven decisions such as the speculation gate's repeat
+    exactly when a killed run is resumed."""
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+    def state(self) -> float:
+        return self.t

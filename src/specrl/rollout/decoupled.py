@@ -21,12 +21,12 @@ function of the sequence's past (the worker samples with a generator of its own,
 sequence's, whose draws the verifier uses) and its ``q`` rows are those its tokens were drawn
 from.  Greedy decoding is token-for-token plain decoding.
 
-Proposers: one with ``propose_ahead(batch, drafts, ks)`` (state it must extend itself, e.g. an
-EAGLE-3 chain) drafts through it; any other is called with ``propose`` on *shadow* sequences
-whose tokens carry the drafts (read-only views of the real ones: a proposer whose ``propose``
-writes per-slot state must implement ``propose_ahead`` instead, or be left coupled; see
-:func:`supports_ahead`).  The worker only runs while the engine thread is inside the target's
-forward and read-back, never while proposers are observed or sequences change.
+Proposers (:class:`~specrl.rollout.proposers.Proposer`) that declare ``ahead_safe`` draft
+ahead: through ``propose_ahead(batch, drafts, ks)`` where they extend state of their own (an
+EAGLE-3 chain), else (it returns None) with ``propose`` on *shadow* sequences whose tokens carry
+the drafts (read-only views of the real ones, so only a proposer whose ``propose`` writes no
+per-slot state may rely on that).  The worker only runs while the engine thread is inside the
+target's forward and read-back, never while proposers are observed or sequences change.
 
 Workers: :class:`DraftWorker` runs jobs on a thread of its own with its own intra-op thread
 count (OpenMP thread counts are per calling thread), and on a GPU on a CUDA stream of its own
@@ -35,11 +35,11 @@ stream on that device.  A job that raises, a worker thread that died, or one tha
 answer within ``timeout`` seconds raises :class:`DrafterError` in the engine thread, which then
 fails the ``generate`` call in bounded time instead of hanging; a broken worker stays broken.
 
-**Which** (``SpecConfig(decoupled="auto")``): per batch size, :class:`ModeChoice` picks coupled
-or decoupled drafting for the steps the gate lets speculate (the gate still decides plain vs
-speculative), by each mode's measured tokens per second at that batch size — decoupled pays
+**Which**: the speculation policy (:mod:`specrl.rollout.gating`) chooses per batch size between
+plain decoding and its arms, decoupled ones included (``decoupled: true``: decoupled arms only;
+``auto``: coupled and decoupled), by the measured cost of each mode's steps — decoupled pays
 where the drafter has a core of its own and its guesses hold, coupled where the worker only
-competes with the target for the same cores.
+competes with the target for the same cores, plain where neither pays.
 """
 
 from __future__ import annotations
@@ -57,11 +57,11 @@ from typing import Any
 
 import torch
 
-from specrl.rollout.bandit import EpsilonGreedy, RunningMean
 from specrl.rollout.metrics import SpecStats
+from specrl.rollout.proposers import Proposer
 from specrl.rollout.types import Draft, SeqState
 
-__all__ = ["MODES", "DraftWorker", "DrafterError", "Lookahead", "ModeChoice", "supports_ahead"]
+__all__ = ["DraftWorker", "DrafterError", "Lookahead", "supports_ahead"]
 
 
 class DrafterError(RuntimeError):
@@ -200,13 +200,10 @@ def _serve(
         job = fut = fn = args = value = event = None  # a finished job's objects are freed
 
 
-def supports_ahead(proposer: Any) -> bool:
-    """Whether ``proposer`` can draft ahead: it has ``propose_ahead``, or declares with
-    ``ahead_safe = True`` that ``propose`` only reads its state and the sequence's tokens (so
-    shadow sequences carrying the drafts are safe to draft from)."""
-    return callable(getattr(proposer, "propose_ahead", None)) or bool(
-        getattr(proposer, "ahead_safe", False)
-    )
+def supports_ahead(proposer: Proposer) -> bool:
+    """Whether ``proposer`` can draft ahead (``Proposer.ahead_safe``: through its own
+    ``propose_ahead``, or ``propose`` on shadow sequences carrying the drafts)."""
+    return proposer.ahead_safe
 
 
 def _shadow(seq: SeqState, draft: Draft, generator: torch.Generator | None) -> SeqState:
@@ -271,7 +268,7 @@ class Lookahead:
 
     def launch(
         self,
-        proposers: dict[str, Any],
+        proposers: dict[str, Proposer],
         seqs: list[SeqState],
         names: list[str | None],
         drafts: list[Draft],
@@ -357,73 +354,12 @@ def _draft_ahead(
     """Worker job: each proposer's ahead drafts, split into (bonus guess, next draft)."""
     out: list[_Pending] = []
     for name, proposer, batch, shadows, drafts, want in jobs:
-        ahead = getattr(proposer, "propose_ahead", None)
-        got = ahead(batch, drafts, want) if ahead is not None else proposer.propose(shadows, want)
+        got = proposer.propose_ahead(batch, drafts, want)
+        if got is None:  # no chain of its own: ``propose`` on the shadows
+            got = proposer.propose(shadows, want)
         if len(got) != len(batch):
             raise RuntimeError(f"proposer {name!r} returned {len(got)} drafts for {len(batch)}")
         for seq, d, ahead_draft in zip(batch, drafts, got, strict=True):
             guess, nxt = split_ahead(ahead_draft)
             out.append(_Pending(seq, name, [int(t) for t in d.tokens], guess, nxt))
     return out
-
-
-MODES = ("coupled", "decoupled")
-MODE_RUN = 8  # steps a batch size keeps a mode once chosen (its first is no timing sample)
-MODE_MEMORY = 16  # samples after which a mode's rate is an EMA (the machine's load drifts)
-
-
-class ModeChoice:
-    """Coupled or decoupled drafting per batch size, by measured throughput.
-
-    Each batch size B keeps, per mode, the running mean of tokens per second of its
-    speculative steps (:class:`~specrl.rollout.gating.RunningMean`, an EMA after
-    :data:`MODE_MEMORY` samples) and chooses with the project's ε-greedy rule
-    (:class:`~specrl.rollout.gating.EpsilonGreedy`: each mode first gets two runs, exploration
-    of a clearly worse mode is rare).  A choice holds for :data:`MODE_RUN` steps at that B: the
-    first step after a switch is no sample (it still uses, or lacks, ahead drafts made under the
-    other mode), so each mode is timed on steps it alone shaped.
-    """
-
-    def __init__(self, epsilon: float = 0.1, seed: int = 0) -> None:
-        self.bandit = EpsilonGreedy(MODES, epsilon, seed, min_samples=2)  # type: ignore[arg-type]
-        self.rates: dict[int, dict[str, RunningMean]] = {}
-        self._run: dict[int, tuple[str, int]] = {}  # batch size → (mode, steps left)
-        self._last: dict[int, str] = {}  # batch size → its previous speculative step's mode
-        self.steps: dict[int, dict[str, int]] = {}  # batch size → mode → steps
-
-    def choose(self, batch_size: int) -> str:
-        mode, left = self._run.get(batch_size, ("", 0))
-        if left <= 0:
-            rates = self._rates(batch_size)
-            mode = str(
-                self.bandit.choose(
-                    {m: r.value for m, r in rates.items()}, {m: r.count for m, r in rates.items()}
-                )
-            )
-            left = MODE_RUN
-        self._run[batch_size] = (mode, left - 1)
-        counts = self.steps.setdefault(batch_size, dict.fromkeys(MODES, 0))
-        counts[mode] += 1
-        return mode
-
-    def record(self, batch_size: int, mode: str, tokens: int, seconds: float) -> None:
-        """A timed speculative step of ``mode``: ``tokens`` emitted in ``seconds``."""
-        settled = self._last.get(batch_size) == mode
-        self._last[batch_size] = mode
-        if settled and seconds > 0:
-            self._rates(batch_size)[mode].add(tokens / seconds)
-
-    def _rates(self, batch_size: int) -> dict[str, RunningMean]:
-        rates = self.rates.get(batch_size)
-        if rates is None:
-            rates = self.rates[batch_size] = {m: RunningMean(1.0 / MODE_MEMORY) for m in MODES}
-        return rates
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            str(b): {
-                m: {"steps": self.steps.get(b, {}).get(m, 0), "tokens_per_s": r.value or None}
-                for m, r in rates.items()
-            }
-            for b, rates in sorted(self.rates.items())
-        }

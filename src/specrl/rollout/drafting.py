@@ -28,7 +28,7 @@ import torch
 from specrl.config.schema import SpeculationConfig
 from specrl.errors import ConfigError
 from specrl.rollout.batch import Launch, checked_draft
-from specrl.rollout.decoupled import DrafterError, DraftWorker, Lookahead, ModeChoice
+from specrl.rollout.decoupled import DrafterError, DraftWorker, Lookahead, supports_ahead
 from specrl.rollout.gating import Arm, SpecController
 from specrl.rollout.metrics import AcceptanceAlarm, Counters
 from specrl.rollout.proposers import Proposer, ProposerContext, SupportsWeights, build_proposer
@@ -57,14 +57,11 @@ class Drafting:
             for name in spec.proposers
         }
         self.tap_layers = tuple(sorted({t for p in self.proposers.values() for t in p.tap_layers}))
-        self.controller = SpecController(spec, list(self.proposers), seed=ctx.seed, padded=padded)
         self.alarm = AcceptanceAlarm(spec.alarm_window, spec.alarm_tau)
         self.lookahead: Lookahead | None = None
-        self.mode_choice: ModeChoice | None = None
+        self._waited = 0.0  # seconds the last collect waited for the worker
         if spec.decoupled not in (False, True, "auto"):
             raise ConfigError(f"decoupled must be true, false or 'auto', got {spec.decoupled!r}")
-        if spec.decoupled == "auto" and self.proposers:
-            self.mode_choice = ModeChoice(spec.epsilon, ctx.seed)
         if spec.decoupled and self.proposers:
             try:
                 worker = DraftWorker(
@@ -75,6 +72,11 @@ class Drafting:
             except ValueError as e:
                 raise ConfigError(f"speculation settings: {e}") from None
             self.lookahead = Lookahead(worker, ctx.seed)
+        # the gate chooses plain, coupled or decoupled arms (specrl.rollout.gating)
+        ahead = [n for n, p in self.proposers.items() if self.lookahead and supports_ahead(p)]
+        self.controller = SpecController(
+            spec, list(self.proposers), seed=ctx.seed, padded=padded, ahead=ahead
+        )
 
     # ---------------------------------------------------------------------- per sequence
     def reset(self, seqs: Sequence[SeqState]) -> None:
@@ -169,12 +171,12 @@ class Drafting:
         """This decode step's drafting mode (None for a plain step, or without a worker); when
         "decoupled", hand the worker the step's sequences with their drafts assumed accepted,
         each asking its arm's k for the next step within ``max_tokens``."""
-        if self.lookahead is None or all(arm is None for arm in decode.arms):
+        arm = next((a for a in decode.arms if a is not None), None)  # one arm per step
+        if arm is None:
             return None
-        choice = self.mode_choice
-        mode = "decoupled" if choice is None else choice.choose(len(decode.seqs))
-        if mode != "decoupled":
-            return mode
+        if not arm.ahead or self.lookahead is None:
+            return "coupled"
+        mode = "decoupled"
         names: list[str | None] = []
         ks: list[int] = []
         for seq, arm, d in zip(decode.seqs, decode.arms, decode.drafts, strict=True):
@@ -199,8 +201,10 @@ class Drafting:
             self.lookahead.abandon()
             self.lookahead.worker.close()
             self.lookahead = None
+            self.controller.drop_ahead()
             raise
-        return self.clock() - t0
+        self._waited = self.clock() - t0
+        return self._waited
 
     def settle(self, decode: Launch, host: Mapping[str, list]) -> None:
         """Tell the lookahead what each sequence emitted (its ahead drafts hold or not)."""
@@ -244,12 +248,18 @@ class Drafting:
         tokens = sum(decode.num_rows)
         padded = decode.tensors["padded"]
         rows = len(decode.seqs) * max(decode.num_rows) if padded else tokens
-        self.controller.record_step(rows, target, tokens > len(decode.seqs))
-        timed = target is not None
-        if self.mode_choice is not None and mode is not None and timed:
-            emitted = sum(n + 1 for n in host["num_accepted"])
-            self.mode_choice.record(len(decode.seqs), mode, emitted, seconds)
-        for name, asked, _, spent, queued in decode.draft_calls if timed else ():
+        self.controller.record_step(
+            rows, target, (mode or "plain") if tokens > len(decode.seqs) else "plain"
+        )
+        calls = decode.draft_calls if target is not None else []
+        if calls is decode.draft_calls and mode == "decoupled":  # what the target waited for
+            arm = next(a for a in decode.arms if a is not None)
+            spent = sum(c[3] for c in calls) + self._waited
+            self.controller.record_draft(
+                arm.proposer, sum(decode.caps), spent, sum(c[4] for c in calls), True
+            )
+            calls = []
+        for name, asked, _, spent, queued in calls:
             self.controller.record_draft(name, asked, spent, queued)
         for b, arm in enumerate(decode.arms):
             if arm is None or decode.caps[b] <= 0:
@@ -276,16 +286,14 @@ class Drafting:
             p.load_weights(draft)  # type: ignore[attr-defined]
 
     def stats(self) -> dict[str, Any]:
-        la, modes = self.lookahead, self.mode_choice
+        la = self.lookahead
         return {
             # a proposer's own state (EAGLE-3: its draft temperature scale), where it has any
             "drafters": {name: stats for name, p in self.proposers.items() if (stats := p.stats())},
             "gating": self.controller.to_dict(),
             "alarm_tau": dict(self.alarm.last),
             "alarm_armed": self.alarm.armed,
-            "decoupled": None
-            if la is None
-            else {**la.to_dict(), "modes": modes.to_dict() if modes is not None else None},
+            "decoupled": None if la is None else la.to_dict(),
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from specrl.rollout.bandit import MEMORY
@@ -20,10 +20,10 @@ class ChainAcceptance:
     Whether the first j draft tokens are accepted does not depend on how many were drafted after
     them (verification walks the chain in order), and a drafter asked for fewer tokens drafts
     the same first ones.  So with A_j = P(≥ j accepted), D_j = P(≥ j drafted), each a running
-    mean over the verifications whose cap reached j, a draft capped at k emits
-    τ̂(k) = 1 + Σ_{j≤k} A_j tokens and feeds f̂(k) = 1 + Σ_{j≤k} D_j.  Every verification teaches
-    every shorter k.  Estimates are made non-increasing in j; a position never reached counts
-    as its predecessor (optimistic: untried drafts count as accepted).
+    mean over the verifications whose cap reached j (weight max(1/n, ``rate``)), a draft capped
+    at k emits τ̂(k) = 1 + Σ_{j≤k} A_j tokens and feeds f̂(k) = 1 + Σ_{j≤k} D_j.  Every
+    verification teaches every shorter k.  Estimates are made non-increasing in j; a position
+    never reached counts as its predecessor (optimistic: untried drafts count as accepted).
     """
 
     def __init__(self, max_k: int, rate: float = 1.0 / MEMORY) -> None:
@@ -54,16 +54,13 @@ class ChainAcceptance:
         return tau, fed
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "counts": list(self.counts),
-            "accepted": list(self.accepted),
-            "drafted": list(self.drafted),
-        }
+        return {"counts": self.counts[:], "accepted": self.accepted[:], "drafted": self.drafted[:]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        n = len(self.counts)  # a state saved with another max_k keeps the positions both have
+        """A state saved with another max_k keeps the positions both have."""
+        n = len(self.counts)
 
-        def fit(values: Sequence[float], cast: type) -> list:
+        def fit(values: list, cast: type) -> list:
             return [cast(v) for v in values[:n]] + [cast(0)] * (n - len(values[:n]))
 
         self.counts = fit(state["counts"], int)
@@ -74,11 +71,11 @@ class CostCurve:
     """Seconds as a non-decreasing piecewise-linear function t(x) of a size x, measured.
 
     Observations fall in buckets of x spaced by a factor √2; each keeps running means (x̄, t̄)
-    (:class:`~specrl.rollout.bandit.RunningMean`'s rule, weight ≥ ``rate``: the machine and the
-    model drift).  t(x) interpolates linearly between the buckets' points.  Outside them the
-    curve extrapolates conservatively for a larger x, as compute-bound (t̄·x/x̄, the steepest a
-    cost with a fixed part can grow), and flat below — or, ``optimistic``, flat above and
-    proportional below.  A GPU's step is flat while latency-bound and linear once
+    (weight max(1/n, ``rate``): the machine and the model drift).  t(x) interpolates linearly
+    between the buckets' points, made non-increasing from the right (never cheaper at a larger
+    size).  Outside them it extrapolates conservatively above, as compute-bound (t̄·x/x̄, the
+    steepest a cost with a fixed part can grow), and flat below — or, ``optimistic``, flat above
+    and proportional below.  A GPU's step is flat while latency-bound and linear once
     compute-bound; the points follow that knee wherever it lies, where one global line cannot.
     """
 
@@ -88,8 +85,7 @@ class CostCurve:
         self._points: list[tuple[float, float]] | None = None  # cache of :attr:`points`
 
     def observe(self, x: float, seconds: float) -> None:
-        key = round(2 * math.log2(max(x, 1.0)))
-        b = self._buckets.setdefault(key, [0, 0.0, 0.0])
+        b = self._buckets.setdefault(round(2 * math.log2(max(x, 1.0))), [0, 0.0, 0.0])
         b[0] += 1
         w = max(1.0 / b[0], self.rate)
         b[1] += (x - b[1]) * w
@@ -98,8 +94,7 @@ class CostCurve:
 
     @property
     def points(self) -> list[tuple[float, float]]:
-        """(x̄, t̄) per bucket, by size, t̄ made non-increasing from the right (never cheaper
-        at a larger size)."""
+        """(x̄, t̄) per bucket, by size, t̄ non-increasing from the right."""
         if self._points is None:
             pts = [(b[1], b[2]) for _, b in sorted(self._buckets.items())]
             for i in range(len(pts) - 2, -1, -1):
@@ -117,12 +112,12 @@ class CostCurve:
         if not pts:
             return None
         i = bisect.bisect_left(pts, (x, -math.inf))
-        if i == 0 or i == len(pts):
-            x0, t0 = pts[0] if i == 0 else pts[-1]
-            scaled = t0 * x / x0 if x0 > 0 else t0
-            return min(t0, scaled) if optimistic else max(t0, scaled)
-        (x0, t0), (x1, t1) = pts[i - 1], pts[i]
-        return t0 + (t1 - t0) * (x - x0) / (x1 - x0)
+        if 0 < i < len(pts):
+            (x0, t0), (x1, t1) = pts[i - 1], pts[i]
+            return t0 + (t1 - t0) * (x - x0) / (x1 - x0)
+        x0, t0 = pts[0] if i == 0 else pts[-1]
+        scaled = t0 * x / x0 if x0 > 0 else t0
+        return min(t0, scaled) if optimistic else max(t0, scaled)
 
     def state_dict(self) -> dict[str, Any]:
         return {"buckets": [[k, *v] for k, v in sorted(self._buckets.items())]}

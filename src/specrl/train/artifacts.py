@@ -1,22 +1,33 @@
-"""Make sure the recipe's policy and draft checkpoints exist before RL starts.
+"""The run's checkpoints: made sure to exist before RL starts, then loaded for the trainer.
 
 ``policy.path`` missing + ``policy.warmstart`` given → supervised warm-start writes it;
 ``draft.path`` missing + ``draft.init`` given (and ``draft.mode != none``) → init-draft writes it.
 Existing checkpoints are reused as they are, so a recipe can be re-run without redoing them.
 :func:`prepare_run` is the trainer's entry point, called before the trainer is built: rank 0
-creates the run directory and what is missing while the other ranks wait at a barrier.
+creates the run directory and what is missing while the other ranks wait at a barrier;
+:func:`load_models` then loads what the trainer trains (from a checkpoint on resume).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from specrl.config.loader import dump_recipe
 from specrl.config.schema import Recipe
 from specrl.core.fsio import check_output
+from specrl.core.runtime import seed_everything
 from specrl.errors import CheckpointError, ConfigError
-from specrl.models.draft_io import DRAFT_META
+from specrl.models.checkpoint import load_model, load_tokenizer
+from specrl.models.decoder import Transformer
+from specrl.models.draft import Eagle3Draft
+from specrl.models.draft_io import DRAFT_META, load_draft
+from specrl.models.presets import check_shape
+from specrl.models.tokenizer import TextCodec
 from specrl.train.layout import TrainLayout
 from specrl.train.rundir import RunDirLock, open_run_dir
 
@@ -55,7 +66,13 @@ def check_artifacts(recipe: Recipe, source: str) -> None:
             "has no policy.warmstart to create one",
             hint="point policy.path at an HF-format directory, or add a policy.warmstart section",
         )
+    spec = recipe.rollout.speculation
     if recipe.draft.mode == "none":
+        if spec and "eagle3" in spec.proposers:
+            raise ConfigError(
+                f"{source}: rollout.speculation.proposers has 'eagle3' but draft.mode is 'none'",
+                hint="remove eagle3 or set a draft mode",
+            )
         return
     if not recipe.draft.path:
         raise ConfigError(
@@ -157,3 +174,44 @@ def prepare_run(
             raise
     layout.barrier()
     return created, lock
+
+
+@dataclass
+class RunModels:
+    """What a run trains, loaded: the policy with its tokenizer and prompt codec, the draft
+    (``draft.mode != none``; its embedding shared with the policy) and the KL reference model
+    (``algo.kl_coef > 0``)."""
+
+    policy: Transformer
+    tokenizer: Any
+    codec: TextCodec
+    policy_dir: Path  # where the policy was loaded from (the vLLM backend loads it from there)
+    draft: Eagle3Draft | None = None
+    reference: Transformer | None = None
+
+
+def load_models(
+    recipe: Recipe, device: torch.device, *, source: str, resume_from: Path | None = None
+) -> RunModels:
+    """The recipe's checkpoints, or ``resume_from``'s policy and draft (the reference model is
+    always the initial policy), after seeding every generator with ``run.seed``."""
+    policy_dir = resume_from / "policy" if resume_from else Path(recipe.policy.path)
+    seed_everything(recipe.run.seed)
+    policy = load_model(policy_dir, dtype=recipe.policy.dtype, device=device)
+    if recipe.policy.shape:
+        check_shape(policy.config, recipe.policy.shape, f"{source}: policy.path")
+    tokenizer = load_tokenizer(policy_dir)
+    if tokenizer is None:
+        raise ConfigError(f"'{policy_dir}' has no tokenizer.json; specrl train needs one")
+    reference = None
+    if recipe.algo.kl_coef > 0:
+        reference = load_model(recipe.policy.path, dtype=recipe.policy.dtype, device=device)
+        reference.eval().requires_grad_(False)
+    draft = None
+    if recipe.draft.mode != "none":
+        draft_dir = resume_from / "draft" if resume_from else Path(recipe.draft.path)
+        draft, _ = load_draft(draft_dir, policy, share_embedding=True)
+        if recipe.draft.mode == "frozen":
+            draft.requires_grad_(False)
+    codec = TextCodec.from_checkpoint(policy_dir, policy.config, chat=recipe.policy.chat_template)
+    return RunModels(policy, tokenizer, codec, policy_dir, draft, reference)

@@ -8,16 +8,20 @@
   sampling drops groups whose rewards are all equal), the training samples, and the step's
   rollout counters (:data:`COUNTERS`) taken from the ``generate`` call's own statistics;
 - :func:`rollout_metrics`: the metrics record's rollout part from those counters summed over
-  the replicas;
+  the replicas (:func:`sum_counters`);
 - :func:`wave_metrics`: the shape of this replica's rollout wave — the response-length
-  distribution (p50 / p90 / max) and the live batch per engine step, run-length encoded.
+  distribution (p50 / p90 / max) and the live batch per engine step, run-length encoded;
+- :func:`max_seq_len`: the longest prompt + response the engine admits.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from specrl.config.schema import AlgoConfig, RolloutConfig
 from specrl.models.tokenizer import TextCodec
@@ -102,6 +106,15 @@ def score(
     return samples, counters
 
 
+def sum_counters(
+    counters: dict[str, float], sum_: Callable[[torch.Tensor], torch.Tensor]
+) -> dict[str, float]:
+    """This replica's :data:`COUNTERS` (missing ones 0) summed over the replicas by ``sum_``
+    (the layout's all-reduce; collective)."""
+    t = torch.tensor([float(counters.get(k, 0)) for k in COUNTERS], dtype=torch.float64)
+    return dict(zip(COUNTERS, sum_(t).tolist(), strict=True))
+
+
 def rollout_metrics(g: dict[str, float], stats: dict[str, Any], seconds: float) -> dict[str, Any]:
     """The record's rollout part: ``g`` the :data:`COUNTERS` summed over the replicas,
     ``stats`` this replica's ``Results.stats`` ({} off the rollout ranks), ``seconds`` its
@@ -160,3 +173,13 @@ def wave_metrics(results: Results | None) -> dict[str, Any]:
     if wave is not None:
         out["live_batch"] = run_lengths(wave)
     return out
+
+
+def max_seq_len(task: Task, codec: TextCodec, max_positions: int, max_tokens: int) -> int:
+    """Longest prompt + response the engine admits (bounds the pipeline's token budget): four
+    times the longest of 64 sampled prompts, plus ``max_tokens`` and a margin, within the
+    model's ``max_positions``."""
+    longest_prompt = 0
+    for p in task.sample(random.Random(0), 64):
+        longest_prompt = max(longest_prompt, len(codec.encode_prompt(p.prompt)))
+    return min(max_positions, 4 * longest_prompt + max_tokens + 16)

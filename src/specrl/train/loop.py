@@ -2,7 +2,8 @@
 
 :func:`build_trainer` puts a run together in a fixed order — recipe checks, the parallel layout
 (:mod:`specrl.train.layout`), the artifacts (:mod:`specrl.train.artifacts`: rank 0 warm-starts
-the policy and initialises the draft where the recipe says how), the models, then
+the policy and initialises the draft where the recipe says how), the models
+(:func:`~specrl.train.artifacts.load_models`, from the newest checkpoint on resume), then
 :class:`RLTrainer`: the rollout engine from copies of the plain policy and draft
 (:func:`specrl.rollout.factory.build_engine`), the parallelisms
 (:func:`specrl.train.parallelize.parallelize_policy` → a
@@ -49,66 +50,37 @@ import torch.distributed as dist
 
 from specrl.config.schema import Recipe
 from specrl.core import failpoint
-from specrl.core.runtime import pick_device, seed_everything, set_determinism
-from specrl.errors import ConfigError, SpecrlError
-from specrl.models.checkpoint import load_config, load_model, load_tokenizer, save_model
+from specrl.core.runtime import UnitClock, pick_device, set_determinism
+from specrl.errors import SpecrlError
+from specrl.models.checkpoint import load_config, save_model
 from specrl.models.decoder import Transformer
-from specrl.models.draft import Eagle3Draft
-from specrl.models.draft_io import draft_state, load_draft, save_draft
-from specrl.models.presets import check_shape
-from specrl.models.tokenizer import TextCodec
+from specrl.models.draft_io import draft_state, save_draft
 from specrl.rl.tasks import task_from_config
 from specrl.rollout.factory import build_engine
 from specrl.rollout.types import Engine
 from specrl.train import checkpoint as ckpt
 from specrl.train import experience as exp
-from specrl.train.artifacts import Progress, check_artifacts, policy_ready, prepare_run
+from specrl.train.artifacts import (
+    Progress,
+    RunModels,
+    check_artifacts,
+    load_models,
+    policy_ready,
+    prepare_run,
+)
 from specrl.train.batch import Sample
 from specrl.train.evaluate import evaluate
 from specrl.train.layout import TrainLayout, check_model, check_split, setup_distributed
-from specrl.train.metrics import MetricsWriter
+from specrl.train.metrics import MetricsWriter, merge_minibatches
 from specrl.train.mismatch import logprob_gap
 from specrl.train.parallelize import check_backend, parallelize_policy
 from specrl.train.rundir import RunDirLock
-from specrl.train.state_io import (
-    optimizer_from_flat,
-    optimizer_to_flat,
-    pyrandom_state,
-    rng_from_flat,
-    rng_to_flat,
-    set_pyrandom_state,
-)
+from specrl.train.state_io import load_trainer_state, trainer_state
 from specrl.train.strategy import DraftMode, MinibatchOutput
 
 
 class Interrupted(SpecrlError):
     """Training stopped by a signal after saving a checkpoint."""
-
-
-class UnitClock:
-    """Deterministic engine clock: every reading advances one unit (one forward = one unit)."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        self.t += 1.0
-        return self.t
-
-    def state(self) -> float:
-        return self.t
-
-
-def check_recipe(recipe: Recipe, source: str) -> None:
-    """One-line errors for checkpoints and drafters a recipe cannot have (before the layout)."""
-    check_artifacts(recipe, source)
-    check_backend(recipe)
-    spec = recipe.rollout.speculation
-    if spec and "eagle3" in spec.proposers and recipe.draft.mode == "none":
-        raise ConfigError(
-            f"{source}: rollout.speculation.proposers has 'eagle3' but draft.mode is 'none'",
-            hint="remove eagle3 or set a draft mode",
-        )
 
 
 def build_trainer(
@@ -123,7 +95,8 @@ def build_trainer(
     ``resume``: from the run directory's newest usable checkpoint; ``overwrite``: start over in a
     run directory that holds a previous run (:mod:`specrl.train.rundir`).  Collective under
     torchrun."""
-    check_recipe(recipe, source)
+    check_artifacts(recipe, source)  # one-line errors before any process group starts
+    check_backend(recipe)
     # the policy's shape is checked against the layout before the process group starts when
     # its checkpoint exists, else once the warm-start has made it
     known = load_config(recipe.policy.path) if policy_ready(recipe) else None
@@ -151,38 +124,10 @@ def _build(recipe, layout, source, known, device, created, resume, progress) -> 
         resume_from, warnings = ckpt.resume_point(Path(recipe.run.directory), layout.world)
     if resume and resume_from is None and layout.rank == 0 and progress:
         progress("resume", 0, 1, "no checkpoint yet: starting from step 0")
-    policy_dir = resume_from / "policy" if resume_from else Path(recipe.policy.path)
-    seed_everything(recipe.run.seed)
-    policy = load_model(policy_dir, dtype=recipe.policy.dtype, device=device)
-    if recipe.policy.shape:
-        check_shape(policy.config, recipe.policy.shape, f"{source}: policy.path")
-    if known is None:
-        check_model(layout.dims, policy.config)
-    tokenizer = load_tokenizer(policy_dir)
-    if tokenizer is None:
-        raise ConfigError(f"'{policy_dir}' has no tokenizer.json; specrl train needs one")
-    reference = None
-    if recipe.algo.kl_coef > 0:  # the initial policy (also on resume)
-        reference = load_model(recipe.policy.path, dtype=recipe.policy.dtype, device=device)
-        reference.eval().requires_grad_(False)
-    draft = None
-    if recipe.draft.mode != "none":
-        draft_dir = resume_from / "draft" if resume_from else Path(recipe.draft.path)
-        draft, _ = load_draft(draft_dir, policy, share_embedding=True)
-        if recipe.draft.mode == "frozen":
-            draft.requires_grad_(False)
-    codec = TextCodec.from_checkpoint(policy_dir, policy.config, chat=recipe.policy.chat_template)
-    trainer = RLTrainer(
-        recipe,
-        layout,
-        policy,
-        tokenizer,
-        codec,
-        draft=draft,
-        reference=reference,
-        created=created,
-        policy_dir=policy_dir,
-    )
+    models = load_models(recipe, device, source=source, resume_from=resume_from)
+    if known is None:  # the shape the warm-start made, against the layout
+        check_model(layout.dims, models.policy.config)
+    trainer = RLTrainer(recipe, layout, models, created=created)
     trainer.warnings = warnings
     if resume_from is not None:
         trainer.load(resume_from)
@@ -196,48 +141,38 @@ class RLTrainer:
         self,
         recipe: Recipe,
         layout: TrainLayout,
-        policy: Transformer,
-        tokenizer: Any,
-        codec: TextCodec,
+        models: RunModels,
         *,
-        draft: Eagle3Draft | None = None,
-        reference: Transformer | None = None,
         created: dict[str, str] | None = None,
-        policy_dir: Path | None = None,
     ) -> None:
-        """Assemble a run from loaded models (:func:`build_trainer` loads them); ``created``:
-        what the artifacts step made, for the run log; ``policy_dir``: the checkpoint the
-        policy was loaded from (the vLLM backend loads it from there, then takes every sync)."""
-        self.recipe, self.layout, self.policy, self.tokenizer = recipe, layout, policy, tokenizer
-        self.draft, self.created = draft, created or {}
+        """Assemble a run from its loaded models (:func:`build_trainer` loads them; the layout
+        and the backends were checked first); ``created``: what the artifacts step made, for the
+        run log."""
+        policy, draft = models.policy, models.draft
+        self.recipe, self.layout, self.policy, self.draft = recipe, layout, policy, draft
+        self.tokenizer, self.codec, self.created = models.tokenizer, models.codec, created or {}
         self.rank, self.world = layout.rank, layout.world
         self.run_dir = Path(recipe.run.directory)
         self.device = policy.device
-        self.codec = codec
         self.pad_id = self.codec.bos_id if self.codec.bos_id is not None else 0
         self.task = task_from_config(recipe.task)
         self.held_out = self.task.sample(random.Random(recipe.run.seed + 1), recipe.task.eval_size)
         self.prompt_rng = random.Random(recipe.run.seed)
         self.clock = UnitClock() if recipe.run.deterministic else None
         self.cotrain = draft is not None and recipe.draft.mode == "cotrain"
-        self.max_seq_len = self._max_seq_len()
+        self.max_seq_len = exp.max_seq_len(
+            self.task, self.codec, policy.config.max_position_embeddings, recipe.rollout.max_tokens
+        )
         self.start_step = 0
         self.warnings: list[str] = []  # e.g. a newer checkpoint that was unusable on resume
         self.run_lock: RunDirLock | None = None  # rank 0: held until the last checkpoint
         # the engine decodes copies of the plain models; then the parallelisms, in their order
         self.engine: Engine | None = None
-        self.vllm = recipe.rollout.backend == "vllm"
-        if self.vllm and layout.world > 1:
-            raise ConfigError(
-                "rollout.backend: vllm runs in the trainer's process: it needs dp = cp = pp = 1",
-                hint="use rollout.backend: embedded for parallel layouts",
-            )
-        if self.vllm and policy_dir is None:
-            raise ConfigError("rollout.backend: vllm needs the policy's checkpoint directory")
+        self.vllm = recipe.rollout.backend == "vllm"  # in this process (world 1: check_backend)
         if layout.is_rollout_rank:
             self.engine = build_engine(
                 recipe.rollout,
-                policy_dir if self.vllm else policy,
+                models.policy_dir if self.vllm else policy,
                 draft,
                 codec=self.codec,
                 seed=recipe.run.seed + 7919 * layout.dp_rank,
@@ -251,7 +186,7 @@ class RLTrainer:
             recipe,
             draft=draft,
             cotrain=self.cotrain,
-            reference=reference,
+            reference=models.reference,
             pad_id=self.pad_id,
             max_seq_len=self.max_seq_len,
         )
@@ -268,16 +203,6 @@ class RLTrainer:
             )
         self._stop_signal: int | None = None
 
-    def _max_seq_len(self) -> int:
-        """Longest prompt + response the engine admits (bounds the pipeline's token budget)."""
-        longest_prompt = 0
-        for p in self.task.sample(random.Random(0), 64):
-            longest_prompt = max(longest_prompt, len(self.codec.encode_prompt(p.prompt)))
-        return min(
-            self.policy.config.max_position_embeddings,
-            4 * longest_prompt + self.recipe.rollout.max_tokens + 16,
-        )
-
     # ------------------------------------------------------------------ the update
     def update(self, samples: list[Sample]) -> dict[str, Any]:
         """The policy (and draft) update on one rollout batch: ``algo.minibatches`` optimizer
@@ -286,17 +211,7 @@ class RLTrainer:
         Collective: every rank of a data-parallel replica passes that replica's samples (each
         rank runs the same number of minibatch steps, empty ones included)."""
         m = self.recipe.algo.minibatches
-        recs = [self._minibatch(samples[i::m], first=i == 0) for i in range(m)]
-        metrics: dict[str, Any] = {}
-        for key in recs[0]:
-            vals = [r[key] for r in recs if r.get(key) is not None]
-            if key.startswith("time_"):
-                metrics[key] = sum(vals)
-            elif key == "draft_acc":
-                metrics[key] = [sum(c) / len(c) for c in zip(*vals, strict=True)]
-            elif vals:
-                metrics[key] = sum(vals) / len(vals)
-        return metrics
+        return merge_minibatches([self._minibatch(samples[i::m], first=i == 0) for i in range(m)])
 
     def _minibatch(self, samples: list[Sample], *, first: bool) -> dict[str, Any]:
         """One optimizer step of the policy (and the draft), the same for every strategy."""
@@ -383,20 +298,15 @@ class RLTrainer:
         t_rollout = time.perf_counter() - t0
         gap: dict[str, Any] = {}
         if samples is not None:  # the rollout rank
-            # the trainer's weights in a plain module: the policy itself in one process; under
-            # parallelism (hooks, stages) the embedded engine's copy, checksum-equal to it
-            plain = self.policy if self.world == 1 or self.vllm else self.engine.model
-            gap = logprob_gap(plain, samples, r.temperature, self.pad_id)
+            gap = logprob_gap(self._plain_policy(), samples, r.temperature, self.pad_id)
         samples = lay.share(samples)
         upd = self.update(samples)
         t0 = time.perf_counter()
         self.sync_engine(step + 1)
         t_sync = time.perf_counter() - t0
-        t = torch.tensor([float(counters.get(k, 0)) for k in exp.COUNTERS], dtype=torch.float64)
-        summed = dict(zip(exp.COUNTERS, lay.sum_(t).tolist(), strict=True))
         return {
             "step": step + 1,
-            **exp.rollout_metrics(summed, stats, t_rollout),
+            **exp.rollout_metrics(exp.sum_counters(counters, lay.sum_), stats, t_rollout),
             **exp.wave_metrics(results),
             **gap,  # this replica's (rank 0's, in the metrics file)
             **upd,
@@ -405,38 +315,23 @@ class RLTrainer:
             "time_step": time.perf_counter() - t_start,
         }
 
+    def _plain_policy(self) -> Transformer:
+        """The trainer's weights in a plain module for the mismatch forward: the policy itself
+        in one process (and with vLLM); under parallelism (hooks, stages) the embedded engine's
+        synced copy, checksum-equal to it (:meth:`sync_engine`)."""
+        if self.world == 1 or self.vllm or self.engine is None:
+            return self.policy
+        return self.engine.model
+
     # ------------------------------------------------------------------ checkpoints
-    def _rank_state(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        tensors, meta = {}, {"step": step}
-        t, m = optimizer_to_flat("policy", self.opt)
-        tensors.update(t)
-        meta["opt_policy"] = m
-        if self.draft_opt is not None:
-            t, m = optimizer_to_flat("draft", self.draft_opt)
-            tensors.update(t)
-            meta["opt_draft"] = m
-        t, m = rng_to_flat()
-        tensors.update(t)
-        meta["rng"] = m
-        meta["prompt_rng"] = pyrandom_state(self.prompt_rng)
-        meta["engine"] = self.engine.state_dict() if self.engine is not None else None
-        meta["clock"] = self.clock.state() if self.clock is not None else None
-        return tensors, meta
+    def _optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {"policy": self.opt, **({"draft": self.draft_opt} if self.draft_opt else {})}
 
     def load(self, path: Path) -> None:
         """Continue from checkpoint ``path``: this rank's optimizers, random states, data cursor
         and engine state (the models were loaded from it by :func:`build_trainer`)."""
         tensors, meta = ckpt.read_rank(path, self.rank)
-        optimizer_from_flat("policy", self.opt, tensors, meta["opt_policy"])
-        if self.draft_opt is not None:
-            if "opt_draft" not in meta:
-                raise ConfigError(
-                    f"checkpoint '{path}' has no draft optimizer (was draft.mode changed?)",
-                    hint="resume with the recipe it was written with",
-                )
-            optimizer_from_flat("draft", self.draft_opt, tensors, meta["opt_draft"])
-        rng_from_flat(tensors, meta["rng"])
-        set_pyrandom_state(self.prompt_rng, meta["prompt_rng"])
+        load_trainer_state(path, tensors, meta, self._optimizers(), self.prompt_rng)
         if self.clock is not None and meta.get("clock") is not None:
             self.clock.t = float(meta["clock"])
         if self.engine is not None:
@@ -467,7 +362,10 @@ class RLTrainer:
                     target=self.policy,
                     provenance={"created_by": "specrl train", "step": step},
                 )
-        ckpt.write_rank(tmp, self.rank, *self._rank_state(step))
+        engine = self.engine.state_dict() if self.engine is not None else None
+        clock = self.clock.state() if self.clock is not None else None
+        state = trainer_state(step, self._optimizers(), self.prompt_rng, engine=engine, clock=clock)
+        ckpt.write_rank(tmp, self.rank, *state)
         self.layout.barrier()
         final = None
         if self.rank == 0:

@@ -51,6 +51,22 @@ class MetricsWriter:
         self.close()
 
 
+def merge_minibatches(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One update's metrics from its minibatches' (``algo.minibatches`` optimizer steps): times
+    summed, ``draft_acc`` averaged per draft position, the rest averaged over the minibatches
+    that report them."""
+    merged: dict[str, Any] = {}
+    for key in recs[0]:
+        vals = [r[key] for r in recs if r.get(key) is not None]
+        if key.startswith("time_"):
+            merged[key] = sum(vals)
+        elif key == "draft_acc":
+            merged[key] = [sum(c) / len(c) for c in zip(*vals, strict=True)]
+        elif vals:
+            merged[key] = sum(vals) / len(vals)
+    return merged
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """All complete records (a torn last line from a kill is skipped)."""
     out = []

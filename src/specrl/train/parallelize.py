@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from specrl.config.schema import Recipe
 from specrl.core.pipeline import ScheduleKind
-from specrl.errors import LayoutError
+from specrl.errors import ConfigError, LayoutError
 from specrl.models.decoder import Transformer
 from specrl.models.draft import Eagle3Draft
 from specrl.train.batch import microbatch_budget
@@ -48,8 +48,14 @@ MEGATRON_SCHEDULES = {"1f1b": "1f1b", "interleaved-1f1b": "interleaved"}
 
 
 def check_backend(recipe: Recipe) -> None:
-    """One-line errors for layouts ``policy.backend`` cannot run (before any process starts)."""
+    """One-line errors for layouts ``policy.backend`` and ``rollout.backend`` cannot run (before
+    any process starts)."""
     par = recipe.parallel
+    if recipe.rollout.backend == "vllm" and par.world_size > 1:
+        raise ConfigError(
+            "rollout.backend: vllm runs in the trainer's process: it needs dp = cp = pp = 1",
+            hint="use rollout.backend: embedded for parallel layouts",
+        )
     if recipe.policy.backend != "megatron":
         return
     if par.cp > 1:

@@ -9,9 +9,12 @@ JSON skeleton (param groups, non-tensor entries); RNG states are byte tensors (t
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from specrl.errors import ConfigError
 
 
 def optimizer_to_flat(
@@ -83,3 +86,43 @@ def pyrandom_state(rng: random.Random) -> list[Any]:
 def set_pyrandom_state(rng: random.Random, state: list[Any]) -> None:
     version, internal, gauss = state
     rng.setstate((version, tuple(internal), gauss))
+
+
+def trainer_state(
+    step: int,
+    optimizers: dict[str, torch.optim.Optimizer],
+    prompt_rng: random.Random,
+    **extra: Any,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """One rank's trainer state at ``step``: its optimizers (``opt_<name>``), the process's
+    random states, the prompt generator, and ``extra`` JSON entries (the engine's state, the
+    deterministic clock)."""
+    tensors: dict[str, torch.Tensor] = {}
+    meta: dict[str, Any] = {"step": step}
+    for name, opt in optimizers.items():
+        t, meta[f"opt_{name}"] = optimizer_to_flat(name, opt)
+        tensors.update(t)
+    t, meta["rng"] = rng_to_flat()
+    tensors.update(t)
+    meta["prompt_rng"] = pyrandom_state(prompt_rng)
+    meta.update(extra)
+    return tensors, meta
+
+
+def load_trainer_state(
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    optimizers: dict[str, torch.optim.Optimizer],
+    prompt_rng: random.Random,
+) -> None:
+    """Restore what :func:`trainer_state` saved (read from checkpoint ``path``)."""
+    for name, opt in optimizers.items():
+        if f"opt_{name}" not in meta:
+            raise ConfigError(
+                f"checkpoint '{path}' has no {name} optimizer (was draft.mode changed?)",
+                hint="resume with the recipe it was written with",
+            )
+        optimizer_from_flat(name, opt, tensors, meta[f"opt_{name}"])
+    rng_from_flat(tensors, meta["rng"])
+    set_pyrandom_state(prompt_rng, meta["prompt_rng"])

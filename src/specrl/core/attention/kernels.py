@@ -181,7 +181,7 @@ def cache_rows(
 
 # The attention a compiled CPU decoding step (one new token each) traces: "grouped"
 # (:func:`grouped_decode_attention`) or "sdpa".  Read while tracing: set it before a graph
-# compiles (docs/benchmarks.md, "Studies", has the measurement that chose "grouped").
+# compiles (docs/benchmarks.md, "Decisions", has the measurement that chose "grouped").
 COMPILED_CPU_ATTENTION = "grouped"
 
 
@@ -199,7 +199,7 @@ def grouped_decode_attention(
     one small matmul per (sequence, KV head), and the weighted sum of the values is a plain
     reduction that inductor fuses with the masked softmax into one loop nest.  Inside a compiled
     CPU decoding step this beats SDPA's CPU flash kernel, which pays a fixed cost per (sequence,
-    head) block (docs/benchmarks.md, "Studies"); verification (several new tokens per
+    head) block (docs/benchmarks.md, "Decisions"); verification (several new tokens per
     sequence) keeps SDPA, which a grouped form did not beat there.  The scores stay a matmul on
     purpose: written as a reduction, inductor inlines the query's RoPE into the loop over the
     keys and recomputes it for every key (slower than SDPA in the engine).  Eagerly the
@@ -231,7 +231,7 @@ def cached_attention(
 
     The cache is head-major ([slot, Hkv, position, D]): a sequence's keys for one head are one
     contiguous run, the layout attention reads (SDPA's CPU kernel runs faster on it than on a
-    position-major cache at batch 8 and more; docs/benchmarks.md, "Studies").  Inside a
+    position-major cache at batch 8 and more; docs/benchmarks.md, "Decisions").  Inside a
     compiled CPU graph the attention of a decoding step is :func:`grouped_decode_attention`.
     """
     t, hq, d = q.shape

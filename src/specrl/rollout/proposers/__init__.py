@@ -113,6 +113,15 @@ class Proposer(Protocol):
         """JSON-able state a resumed run needs (idle engine)."""
         ...
 
+    ahead_safe: bool  # may draft ahead on the decoupled drafter worker (specrl.rollout.decoupled)
+
+    def propose_ahead(
+        self, batch: list[SeqState], drafts: list[Draft], ks: list[int]
+    ) -> list[Draft] | None:
+        """Draft ``ks[b]`` tokens continuing ``batch[b].tokens + drafts[b].tokens``, on the
+        worker; None: no state of its own to extend (``propose`` on shadow sequences does)."""
+        ...
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
@@ -140,6 +149,13 @@ class ProposerBase:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         pass
+
+    ahead_safe = False
+
+    def propose_ahead(
+        self, batch: list[SeqState], drafts: list[Draft], ks: list[int]
+    ) -> list[Draft] | None:
+        return None
 
 
 @runtime_checkable

@@ -36,9 +36,14 @@ accepted — the first token is the guess of the target's bonus token, the rest 
 draft — and keeps that chain's end in turn, so a run of right guesses drafts from one growing
 chain until a miss sends the next round back to the target's taps.
 
-With ``ProposerContext.compile`` a round runs as compiled passes (:meth:`_propose_compiled`):
-one for the newest main entries and d_1, one per further chain position, each picking its
-tokens on device — the drafts, q and generator draws of the eager round.
+**One drafting round** (:meth:`Eagle3Proposer._chains`) serves :meth:`propose` and
+:meth:`propose_ahead`, eager or compiled: a start (d_1 from the last committed position), then
+one pass per chain position — the draft layer over the KV, the logits, the token drawn on
+device — with the round's rows and cache rows as data (:class:`_Round`) and the per-position
+computations in :class:`_Passes`.  Eagerly a pass runs the draft's fused copies on the chains
+still drafting; with ``ProposerContext.compile`` the same functions run under
+``torch.compile`` on the whole batch (the start also writes the newest main entries), with the
+drafts, q and generator draws of the eager round.  Either round keeps its chains' ends.
 
 The draft shares the target's embedding by reference, so in-place policy updates reach it; new
 draft weights arrive through ``load_weights`` (engine ``update_weights(draft=…)``).
@@ -48,13 +53,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from specrl.core.attention import PackedLayout
 from specrl.errors import CheckpointError, ConfigError
-from specrl.models.decoder import CacheBatch
+from specrl.models.decoder import CacheBatch, KVCache
 from specrl.models.draft import Eagle3Draft
 from specrl.models.draft_io import check_compatible, load_draft
 from specrl.rollout.bandit import MEMORY, EpsilonGreedy, RunningMean
@@ -86,18 +91,233 @@ class _StepTaps:
         return self._feats[rows]
 
 
+class _Pending:
+    """A sequence's committed positions whose taps its draft cache lacks, oldest first: slices
+    ``(a step's taps, first row, end row)``, concatenated once a catch-up reads them."""
+
+    __slots__ = ("_chunks",)
+
+    def __init__(self) -> None:
+        self._chunks: list[tuple[_StepTaps | torch.Tensor, int, int]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._chunks)
+
+    def add(self, taps: _StepTaps, start: int, end: int) -> None:
+        self._chunks.append((taps, start, end))
+
+    def rows(self) -> torch.Tensor:
+        """Every queued row [n, 3·H_target], oldest first (still queued, now as one slice)."""
+        chunks = [f[a:b] for f, a, b in self._chunks]
+        rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        self._chunks = [(rows, 0, rows.shape[0])]
+        return rows
+
+    def drop(self, n: int) -> None:
+        """The oldest ``n`` rows are in the draft cache now (after :meth:`rows`)."""
+        rows, a, b = self._chunks[0]
+        self._chunks = [(rows, a + n, b)] if a + n < b else []
+
+
+class _ChainEnd(NamedTuple):
+    """Where a sequence's last chain ends: drafting ahead continues it from here."""
+
+    h: torch.Tensor  # [H] the pre-norm output that drew the chain's last token
+    token: int  # that token
+    length: int  # the chain's tokens
+    kv_len: int  # the sequence's kv_len when the chain was drawn (its first token's row)
+
+    @property
+    def rows(self) -> int:
+        """Draft-cache rows holding the sequence's entries and its chain's; the chain's last
+        token goes to this row next."""
+        return self.kv_len + self.length - 1
+
+    def drew(self, draft: Draft, kv_len: int) -> bool:
+        """Whether ``draft`` is this chain, drawn when the sequence was at ``kv_len``."""
+        tokens = draft.tokens
+        return bool(tokens) and (tokens[-1], len(tokens), kv_len) == self[1:]
+
+
 @dataclass
-class _State:
+class _SeqDraft:
+    """One sequence's drafting state (its draft-cache rows live at its slot)."""
+
     h_last: torch.Tensor | None = None  # [H] pre-norm output at the last committed position
     main_len: int = 0  # draft cache rows holding step-0 entries
-    # tap rows not yet in the cache: (a step's taps, first row, end row)
-    pending: list[tuple[_StepTaps | torch.Tensor, int, int]] = field(default_factory=list)
-    # its sampled draft awaiting verification: tokens drafted, the temperature scale used
-    drafted: int = 0
-    scale: float = 1.0
-    # the end of its last chain, for drafting ahead: (pre-norm output that drew the last token,
-    # that token, the chain's length, the sequence's kv_len when it was drawn)
-    chain_end: tuple[torch.Tensor, int, int, int] | None = None
+    pending: _Pending = field(default_factory=_Pending)  # committed positions to catch up
+    drafted: int = 0  # tokens of its sampled draft awaiting verification, drawn …
+    scale: float = 1.0  # … with this temperature scale
+    chain_end: _ChainEnd | None = None
+
+
+class _OneTokenLayouts(dict):
+    """n → the layout of n sequences of one token each (built once: every chain pass uses one)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __missing__(self, n: int) -> PackedLayout:
+        layout = self[n] = PackedLayout.from_lengths([1] * n, device=self.device)
+        return layout
+
+
+class _Round:
+    """The rows of one drafting round: what each row draws and where its passes write.
+
+    Row r drafts ``steps[r]`` tokens; its chain pass i (the draft layer on its newest token)
+    writes draft-cache row ``rows[r] + i``.  An eager round puts the longest chains first and
+    runs each pass on the rows still drafting (a prefix: slices, no gathers).  A compiled round
+    keeps the whole batch, in the engine's slot order, in every pass, so the batch and the
+    graph class (``key``: one sequence or more, slots 0..B−1 or not, greedy only or some
+    sampled) stay fixed; a shorter chain's extra tokens land in cache rows past the chain, like
+    padding, and are dropped.
+    """
+
+    def __init__(
+        self,
+        seqs: list[SeqState],
+        steps: list[int],
+        rows: list[int],
+        scale: float,
+        device: torch.device,
+        compiled: bool = False,
+    ) -> None:
+        self.seqs, self.steps, self.rows, self.device = seqs, steps, rows, device
+        self.greedy = [s.params.temperature <= 0 for s in seqs]
+        # the draft temperatures: the request's times the round's scale s (1 for greedy rows,
+        # whose draws are argmax anyway)
+        temps = [
+            1.0 if g else s.params.temperature * scale
+            for s, g in zip(seqs, self.greedy, strict=True)
+        ]
+        self.temps = torch.tensor(temps, device=device)
+        self.slots, self.t_rows, t_greedy = _int_tensors(
+            [s.slot for s in seqs], rows, self.greedy, device=device
+        )
+        self.t_greedy = t_greedy.bool()
+        self.slots_are_prefix = all(s.slot == i for i, s in enumerate(seqs))
+        self.key = (len(seqs) == 1, self.slots_are_prefix, not all(self.greedy))
+        self.compiled = compiled
+
+    def live(self, p: int) -> int:
+        """The rows of the pass that draws token p: the chains that long (compiled: all)."""
+        return len(self.seqs) if self.compiled else sum(1 for k in self.steps if k > p)
+
+    def sampling(self, p: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first n rows' temperatures, uniforms and greedy mask for drawing token p: one
+        uniform from its own generator for each sampled row whose chain draws it, 0 elsewhere
+        (so eager and compiled rounds make the same draws)."""
+        u = [
+            torch.rand(1, generator=s.generator) if not g and p < k else torch.zeros(1)
+            for s, g, k in zip(self.seqs[:n], self.greedy[:n], self.steps[:n], strict=True)
+        ]
+        return _head(self.temps, n), torch.cat(u).to(self.device), _head(self.t_greedy, n)
+
+    def flags(self, n: int) -> tuple[bool, bool]:
+        """Host flags of the first n rows: some sample, some are greedy."""
+        greedy = self.greedy[:n]
+        return not all(greedy), any(greedy)
+
+    def cache(self, kv: KVCache, i: int, n: int) -> CacheBatch:
+        """Chain pass i of the first n rows: each row's newest token at row ``rows[r] + i``."""
+        rows = self.rows[:n]
+        return CacheBatch(
+            kv,
+            _head(self.slots, n),
+            _head(self.t_rows, n) + i,
+            max(rows) + i + 1,
+            slots_are_prefix=all(s.slot == j for j, s in enumerate(self.seqs[:n])),
+            # one token each at one position; compiled, the flag follows the shape (same graph)
+            full_rows=n == 1 if self.compiled else all(x == rows[0] for x in rows),
+        )
+
+    def chains(
+        self, toks: list[torch.Tensor], qs: list[torch.Tensor | None], hs: list[torch.Tensor]
+    ) -> list[tuple[Draft, torch.Tensor | None]]:
+        """Per row, its draft (q rows for sampled rows) and the pre-norm output that drew its
+        last token, from the passes' tokens, q and outputs (pass p: its rows, in order)."""
+        if all(t.shape[0] == toks[0].shape[0] for t in toks):  # one transfer for the round
+            host = torch.stack(toks, 1).tolist()
+        else:
+            per_pass = [t.tolist() for t in toks]
+            host = [[per_pass[p][r] for p in range(k)] for r, k in enumerate(self.steps)]
+        out = []
+        for r, k in enumerate(self.steps):
+            rows = [] if self.greedy[r] else [q[r : r + 1] for q in qs[:k] if q is not None]
+            probs = None if not rows else rows[0] if len(rows) == 1 else torch.cat(rows)
+            out.append((Draft(host[r][:k], probs), hs[k - 1][r] if k else None))
+        return out
+
+
+class _Passes:
+    """The draft's computations for one chain position, every row at once and on device: what
+    a round runs eagerly or, wrapped in :class:`~specrl.rollout.compiled.Compiled`, compiled."""
+
+    def __init__(self, draft: Eagle3Draft, vocab: int) -> None:
+        self.draft, self.vocab = draft, vocab
+        self.to_target = draft.draft_to_target  # [Vd] target id of each draft id
+
+    def draw(
+        self,
+        logits: torch.Tensor,  # [B, Vd]
+        temps: torch.Tensor,  # [B] temperatures (1 for greedy rows)
+        u: torch.Tensor,  # [B] uniforms (ignored for greedy rows)
+        greedy: torch.Tensor,  # [B] bool
+        sampled: bool,  # host flag: some row samples
+        any_greedy: bool = True,  # host flag: some row is greedy (False skips their argmax)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft token per row of draft-vocab logits: greedy rows take the argmax (one-hot
+        q); sampled rows draw by inverse CDF from q = softmax(logits / temperature) with their
+        uniform.  Returns target ids [B] and q [B, V] over the target vocabulary (None when
+        every row is greedy; rows of greedy sequences hold an unused softmax)."""
+        if not sampled:
+            return self.to_target[logits.argmax(-1)], None
+        q_d = torch.softmax(_wide(logits) / temps[:, None], dim=-1)
+        cdf = q_d.cumsum(-1)
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None])[:, 0]
+        ids = pick.clamp_(max=q_d.shape[-1] - 1)
+        if any_greedy:
+            ids = torch.where(greedy, logits.argmax(-1), ids)
+        q = q_d.new_zeros(logits.shape[0], self.vocab).index_copy_(1, self.to_target, q_d)
+        return self.to_target[ids], q
+
+    def start(
+        self,
+        feats: torch.Tensor,
+        ids: torch.Tensor,
+        layout: PackedLayout,
+        cache: CacheBatch,
+        last: torch.Tensor,
+        temps: torch.Tensor,
+        u: torch.Tensor,
+        greedy: torch.Tensor,
+        sampled: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Step-0 entries of the (padded) newest positions, then d_1 at each row's last one."""
+        h = self.draft.decode(self.draft.project(feats), ids, layout, cache, fused=False)
+        h = h.index_select(0, last)
+        tok, q = self.draw(self.draft.logits(h), temps, u, greedy, sampled)
+        return h, tok, q
+
+    def chain(
+        self,
+        h: torch.Tensor,
+        tok: torch.Tensor,
+        layout: PackedLayout,
+        cache: CacheBatch,
+        temps: torch.Tensor,
+        u: torch.Tensor,
+        greedy: torch.Tensor,
+        sampled: bool,
+        any_greedy: bool = True,
+        fused: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A chain position: the draft layer on (h, d_j), the logits, the draft token d_{j+1}."""
+        h = self.draft.decode(h, tok, layout, cache, fused=fused)
+        tok, q = self.draw(self.draft.logits(h, fused=fused), temps, u, greedy, sampled, any_greedy)
+        return h, tok, q
 
 
 # draft temperature scales the "auto" bandit chooses from (1: the draft's own distribution)
@@ -172,6 +392,7 @@ class TemperatureScale:
 
 class Eagle3Proposer(ProposerBase):
     name = "eagle3"
+    ahead_safe = True  # :meth:`propose_ahead` continues its chain on the drafter worker
 
     def __init__(
         self,
@@ -188,18 +409,18 @@ class Eagle3Proposer(ProposerBase):
         self.max_k = max_k
         self.vocab = ctx.target.config.vocab_size
         self.device = ctx.target.device
-        self._to_target = draft.draft_to_target
-        self._state: dict[int, _State] = {}
+        self._state: dict[int, _SeqDraft] = {}
         self.temperature_scale = TemperatureScale(temperature_scale, seed=ctx.seed)
-        self._one_layouts: dict[int, PackedLayout] = {}
+        self.passes = _Passes(draft, self.vocab)
+        self._ones = _OneTokenLayouts(self.device)
         self._compiled = self._compiled_start = None
         if ctx.compile:  # the round's passes under torch.compile (specrl.rollout.compiled)
             every = ctx.guard_check_every
             self._compiled = Compiled(
-                self._chain_draw, self.device, "the eagle3 chain step", check_every=every
+                self.passes.chain, self.device, "the eagle3 chain step", check_every=every
             )
             self._compiled_start = Compiled(
-                self._start_draw, self.device, "the eagle3 catch-up step", check_every=every
+                self.passes.start, self.device, "the eagle3 catch-up step", check_every=every
             )
 
     @property
@@ -220,20 +441,17 @@ class Eagle3Proposer(ProposerBase):
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self, seq: SeqState) -> None:
-        self._state[seq.seq_id] = _State()
+        self._state[seq.seq_id] = _SeqDraft()
 
     def release(self, seq: SeqState) -> None:
         self._state.pop(seq.seq_id, None)
 
     def move(self, moves: list[tuple[SeqState, int]]) -> None:
-        """The engine moves sequences to other slots: copy their draft-cache main entries."""
+        """The engine moves sequences to other slots: copy their draft-cache rows (the main
+        entries, and a chain that drafting ahead continues)."""
         states = [self._state[s.seq_id] for s, _ in moves if s.seq_id in self._state]
-        # main entries, and a chain that drafting ahead continues (rows kv_len … + k − 2)
         rows = max(
-            (
-                max(st.main_len, st.chain_end[3] + st.chain_end[2] - 1 if st.chain_end else 0)
-                for st in states
-            ),
+            (max(st.main_len, st.chain_end.rows if st.chain_end else 0) for st in states),
             default=0,
         )
         self.cache.copy_slots([s.slot for s, _ in moves], [slot for _, slot in moves], rows)
@@ -249,7 +467,7 @@ class Eagle3Proposer(ProposerBase):
 
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
         apply_update(self.check_weights(state))  # nothing is copied unless all of it is valid
-        self._to_target = self.draft.draft_to_target
+        self.passes.to_target = self.draft.draft_to_target
 
     # ------------------------------------------------------------------ main entries
     def observe(
@@ -275,8 +493,8 @@ class Eagle3Proposer(ProposerBase):
                 st.drafted = 0
             if c > 0 and seq.finish_reason is None:
                 if st is None:
-                    st = state[seq.seq_id] = _State()
-                st.pending.append((feats, start, start + c))  # sliced when caught up
+                    st = state[seq.seq_id] = _SeqDraft()
+                st.pending.add(feats, start, start + c)  # sliced when caught up
             start += c
 
     def backlog(self, batch: list[SeqState]) -> int:
@@ -290,16 +508,15 @@ class Eagle3Proposer(ProposerBase):
         each sequence's last ``keep`` (left queued for the compiled round's first pass)."""
         todo, feats, ids, lens, prefix = [], [], [], [], []
         for s in seqs:
-            st = self._state[s.seq_id]
-            if not st.pending:
+            pending = self._state[s.seq_id].pending
+            if not pending:
                 continue
-            chunks = [f[a:b] for f, a, b in st.pending]
-            rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            rows = pending.rows()
             first = s.kv_len - rows.shape[0]  # positions first … kv_len − 1, next tokens known
             n = rows.shape[0] - keep  # the positions done here
             if n <= 0:
                 continue
-            st.pending = [(rows, n, rows.shape[0])] if keep else []
+            pending.drop(n)
             todo.append(s)
             feats.append(rows[:n])
             ids.extend(s.tokens[first + 1 : first + n + 1])  # x_{t+1} for each position t
@@ -331,78 +548,41 @@ class Eagle3Proposer(ProposerBase):
     # ------------------------------------------------------------------ chain drafting
     @torch.no_grad()
     def propose(self, batch: list[SeqState], ks: list[int]) -> list[Draft]:
-        out = [Draft([]) for _ in batch]
+        """One drafting round: the queued positions caught up, d_1 from the last committed
+        position, then one chain pass per further token (:meth:`_chains`).  Compiled
+        (``ProposerContext.compile``) when every sequence has new taps queued (always after
+        its first verification), else eager (a sequence the drafter never saw)."""
+        out, state = [Draft([]) for _ in batch], self._state
         live = [
-            b
-            for b, (s, k) in enumerate(zip(batch, ks, strict=True))
-            if k > 0 and s.seq_id in self._state
+            b for b, (s, k) in enumerate(zip(batch, ks, strict=True)) if k > 0 and s.seq_id in state
         ]
         # one temperature scale for the round's sampled drafts (none drawn for greedy rounds)
         sampled = any(batch[b].params.temperature > 0 for b in live)
         scale = self.temperature_scale.pick() if sampled else 1.0
-        # compiled passes when every sequence has new taps queued (always after its first
-        # verification); otherwise (a sequence the drafter never saw) the eager round below
-        pending = all(self._state.get(s.seq_id, _State()).pending for s in batch)
-        if self._compiled is not None and live and pending:
-            return self._drafted(batch, self._propose_compiled(batch, ks, scale), scale)
-        self._catch_up([batch[b] for b in live])
-        live = [b for b in live if self._state[batch[b].seq_id].h_last is not None]
-        if not live:
-            return out
-        # longest chains first: the rows still drafting at chain step j are a prefix, so every
-        # step slices (views) instead of selecting rows
-        live.sort(key=lambda b: -min(ks[b], self.max_k))
-        seqs = [batch[b] for b in live]
-        steps = [min(ks[b], self.max_k) for b in live]
-        greedy = [s.params.temperature <= 0 for s in seqs]
-        temps = self._temperatures(seqs, greedy, scale)
-        slots, prefix, t_greedy = _int_tensors(
-            [s.slot for s in seqs], [s.kv_len for s in seqs], greedy, device=self.device
+        compiled = (
+            self._compiled is not None
+            and bool(live)
+            and all(s.seq_id in state and state[s.seq_id].pending for s in batch)
         )
-        t_greedy = t_greedy.bool()
-        h = torch.stack([self._state[s.seq_id].h_last for s in seqs])  # [B, H]
-        toks: list[torch.Tensor] = []  # per chain step j: [n_j] target ids of the first n_j rows
-        qs: list[torch.Tensor | None] = []
-        ends: list[torch.Tensor | None] = [None] * len(seqs)  # h that drew each chain's last
-        n = len(seqs)
-        logits = self.draft.logits(h, fused=True)
-        for step in range(steps[0]):
-            u = self._uniforms(seqs[:n], greedy[:n], steps[:n], step)
-            live_greedy = greedy[:n]
-            tok, q = self._draw(
-                logits, temps[:n], u, t_greedy[:n], not all(live_greedy), any(live_greedy)
-            )
-            toks.append(tok)
-            qs.append(q)
-            for r in range(n):
-                if steps[r] == step + 1:
-                    ends[r] = h[r]
-            n = sum(1 for k in steps if k > step + 1)
-            if n == 0:
-                break
-            if n < len(toks[-1]):  # some chains ended: keep the first n rows
-                h, tok = h[:n], tok[:n]
-            kv = [s.kv_len for s in seqs[:n]]
-            cache = CacheBatch(
-                self.cache,
-                slots[:n],
-                prefix[:n] + step,
-                max(kv) + step + 1,
-                slots_are_prefix=all(s.slot == i for i, s in enumerate(seqs[:n])),
-                full_rows=all(x == kv[0] for x in kv),  # one token each at one position
-            )
-            h, logits = self._chain_step(h, tok, self._ones(n), cache, fused=True)
-        host = [t.tolist() for t in toks]  # one transfer per chain step, after the loop
-        for r, b in enumerate(live):
-            out[b].tokens = [host[j][r] for j in range(min(steps[r], len(host)))]
-            rows = [q[r : r + 1] for q in qs[: len(out[b].tokens)] if q is not None]
-            if rows and batch[b].params.temperature > 0:
-                out[b].probs = rows[0] if len(rows) == 1 else torch.cat(rows)
-            end = ends[r]
-            self._state[seqs[r].seq_id].chain_end = (
-                None
-                if end is None or not out[b].tokens
-                else (end, out[b].tokens[-1], len(out[b].tokens), seqs[r].kv_len)
+        if compiled:  # every sequence, in slot order; older positions are caught up eagerly
+            self._catch_up(batch, keep=self.max_k + 1)
+            rows = list(range(len(batch)))
+        else:
+            self._catch_up([batch[b] for b in live])
+            rows = [b for b in live if state[batch[b].seq_id].h_last is not None]
+            rows.sort(key=lambda b: -min(ks[b], self.max_k))  # longest chains first
+            if not rows:
+                return out
+        seqs = [batch[b] for b in rows]
+        steps = [min(ks[b], self.max_k) for b in rows]
+        rnd = _Round(seqs, steps, [s.kv_len for s in seqs], scale, self.device, compiled)
+        chains = self._chains(rnd, *self._start(rnd), drawn=True)
+        for b, s, (draft, h_end) in zip(rows, seqs, chains, strict=True):
+            out[b] = draft
+            state[s.seq_id].chain_end = (
+                _ChainEnd(h_end, draft.tokens[-1], len(draft.tokens), s.kv_len)
+                if h_end is not None
+                else None
             )
         return self._drafted(batch, out, scale)
 
@@ -415,78 +595,91 @@ class Eagle3Proposer(ProposerBase):
         sequence whose last round was not this chain (or drew nothing) gets an empty draft.
         ``batch`` may be shadow sequences (their ``generator`` is the one sampled with; slot,
         ``kv_len`` and ``seq_id`` are the real sequence's)."""
-        out = [Draft([]) for _ in batch]
-        live = []
+        out, state = [Draft([]) for _ in batch], self._state
+        ends: dict[int, _ChainEnd] = {}
         for b, (s, d, k) in enumerate(zip(batch, drafts, ks, strict=True)):
-            st = self._state.get(s.seq_id)
-            end = st.chain_end if st is not None else None
-            if (
-                k > 0
-                and end is not None
-                and d.tokens
-                and (end[1], end[2], end[3]) == (d.tokens[-1], len(d.tokens), s.kv_len)
-            ):
-                live.append(b)
-        if not live:
+            end = st.chain_end if (st := state.get(s.seq_id)) is not None else None
+            if k > 0 and end is not None and end.drew(d, s.kv_len):
+                ends[b] = end
+        rows = sorted(ends, key=lambda b: -min(ks[b], self.max_k + 1))  # longest first
+        if not rows:
             return out
-        live.sort(key=lambda b: -min(ks[b], self.max_k + 1))
-        seqs = [batch[b] for b in live]
-        steps = [min(ks[b], self.max_k + 1) for b in live]
-        ends = [self._state[s.seq_id].chain_end for s in seqs]
-        # the row each chain's last token goes to: kv_len + len(chain) − 1
-        base = [e[3] + e[2] - 1 for e in ends]  # type: ignore[index]
-        greedy = [s.params.temperature <= 0 for s in seqs]
-        scales = {self._state[s.seq_id].scale for s in seqs}
-        temps = self._temperatures(seqs, greedy, scales.pop() if len(scales) == 1 else 1.0)
-        slots, t_base, t_tok, t_greedy = _int_tensors(
-            [s.slot for s in seqs], base, [e[1] for e in ends], greedy,  # type: ignore[index]
-            device=self.device,
-        )  # fmt: skip
-        t_greedy = t_greedy.bool()
-        h = torch.stack([e[0] for e in ends])  # type: ignore[index]
-        tok = t_tok  # chain steps take target ids (the draft embeds with the target's table)
-        toks: list[torch.Tensor] = []
-        qs: list[torch.Tensor | None] = []
-        chain_ends: list[torch.Tensor | None] = [None] * len(seqs)
-        n = len(seqs)
-        for step in range(steps[0]):
-            n = sum(1 for k in steps if k > step)
-            h, tok = h[:n], tok[:n]
-            rows = base[:n]
-            cache = CacheBatch(
-                self.cache,
-                slots[:n],
-                t_base[:n] + step,
-                max(rows) + step + 1,
-                slots_are_prefix=all(s.slot == i for i, s in enumerate(seqs[:n])),
-                full_rows=all(x == rows[0] for x in rows),
-            )
-            h, logits = self._chain_step(h, tok, self._ones(n), cache, fused=True)
-            u = self._uniforms(seqs[:n], greedy[:n], steps[:n], step)
-            tok, q = self._draw(
-                logits, temps[:n], u, t_greedy[:n], not all(greedy[:n]), any(greedy[:n])
-            )
-            toks.append(tok)
-            qs.append(q)
-            for r in range(n):
-                if steps[r] == step + 1:
-                    chain_ends[r] = h[r]
-        host = [t.tolist() for t in toks]
-        for r, b in enumerate(live):
-            d = out[b]
-            d.tokens = [host[j][r] for j in range(steps[r])]
-            rows_q = [q[r : r + 1] for q in qs[: steps[r]] if q is not None]
-            if rows_q and not greedy[r]:
-                d.probs = rows_q[0] if len(rows_q) == 1 else torch.cat(rows_q)
-            # the guess is the bonus token: the next round's chain is d.tokens[1:], at the
+        seqs = [batch[b] for b in rows]
+        steps = [min(ks[b], self.max_k + 1) for b in rows]
+        scales = {state[s.seq_id].scale for s in seqs}
+        scale = scales.pop() if len(scales) == 1 else 1.0
+        rnd = _Round(seqs, steps, [ends[b].rows for b in rows], scale, self.device)
+        h = torch.stack([ends[b].h for b in rows])
+        # chain passes take target ids (the draft embeds with the target's table)
+        tok = torch.tensor([ends[b].token for b in rows], device=self.device)
+        chains = self._chains(rnd, h, tok)
+        for b, s, (draft, h_end) in zip(rows, seqs, chains, strict=True):
+            out[b], e = draft, ends[b]
+            # the guess is the bonus token: the next round's chain is draft.tokens[1:], at the
             # sequence's kv_len once this round's drafts and the bonus are committed
-            e, kept = chain_ends[r], len(d.tokens) - 1
-            self._state[seqs[r].seq_id].chain_end = (
-                None
-                if e is None or kept < 1
-                else (e, d.tokens[-1], kept, ends[r][3] + ends[r][2] + 1)  # type: ignore[index]
+            state[s.seq_id].chain_end = (
+                _ChainEnd(h_end, draft.tokens[-1], len(draft.tokens) - 1, e.kv_len + e.length + 1)
+                if h_end is not None and len(draft.tokens) > 1
+                else None
             )
         return out
+
+    def _start(self, rnd: _Round) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Token 0 of a round and the pre-norm outputs [B, H] that drew it: eager, the logits
+        of each row's caught-up ``h_last``; compiled, one pass over each sequence's newest
+        positions (their step-0 entries, then d_1; :func:`_newest_block`)."""
+        n = len(rnd.seqs)
+        if not rnd.compiled:
+            h = torch.stack([self._state[s.seq_id].h_last for s in rnd.seqs])  # type: ignore[misc]
+            logits = self.draft.logits(h, fused=True)
+            return h, *self.passes.draw(logits, *rnd.sampling(0, n), *rnd.flags(n))
+        tails = []
+        for s in rnd.seqs:
+            pending = self._state[s.seq_id].pending
+            tails.append(pending.rows())
+            pending.drop(tails[-1].shape[0])
+        block = _newest_block(rnd, tails, self.cache)
+        h, tok, q = self._compiled_start(  # type: ignore[misc]
+            *block, *rnd.sampling(0, n), rnd.flags(n)[0], key=rnd.key
+        )
+        for s, h_last in zip(rnd.seqs, h.unbind(0), strict=True):
+            st = self._state[s.seq_id]
+            st.h_last, st.main_len = h_last, s.kv_len
+        return h, tok, q
+
+    def _chains(
+        self,
+        rnd: _Round,
+        h: torch.Tensor,
+        tok: torch.Tensor,
+        q: torch.Tensor | None = None,
+        drawn: bool = False,
+    ) -> list[tuple[Draft, torch.Tensor | None]]:
+        """The round's chain positions.  Each pass feeds every live row's newest token ``tok``
+        and the pre-norm output ``h`` that drew it through the draft layer, at the row's next
+        cache row, and draws the next token from the logits (:meth:`_pass`).  ``drawn``: ``tok``
+        is token 0, drawn with ``q`` by the round's start (:meth:`propose`); else it is the
+        chain end's token and the first pass draws token 0 (:meth:`propose_ahead`)."""
+        toks, qs, hs = ([tok], [q], [h]) if drawn else ([], [], [])
+        for i in range(max(rnd.steps) - len(toks)):
+            p = len(toks)  # the token this pass draws
+            n = rnd.live(p)
+            h, tok, q = self._pass(rnd, i, n, _head(h, n), _head(tok, n), p)
+            toks.append(tok)
+            qs.append(q)
+            hs.append(h)
+        return rnd.chains(toks, qs, hs)  # type: ignore[arg-type]
+
+    def _pass(
+        self, rnd: _Round, i: int, n: int, h: torch.Tensor, tok: torch.Tensor, p: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Chain pass i of the round's first n rows, drawing token p: eager through the draft's
+        fused copies, or compiled in the round's graph class — the same computation."""
+        args = (h, tok, self._ones[n], rnd.cache(self.cache, i, n), *rnd.sampling(p, n))
+        sampled, any_greedy = rnd.flags(n)
+        if not rnd.compiled:
+            return self.passes.chain(*args, sampled, any_greedy, fused=True)
+        return self._compiled(*args, sampled, key=rnd.key)  # type: ignore[misc]
 
     def _drafted(self, batch: list[SeqState], drafts: list[Draft], scale: float) -> list[Draft]:
         """Note each sampled draft's length and scale: :meth:`observe` values the scale by the
@@ -500,197 +693,40 @@ class Eagle3Proposer(ProposerBase):
             self.temperature_scale.drafted(scale)
         return drafts
 
-    def _propose_compiled(
-        self, batch: list[SeqState], ks: list[int], scale: float = 1.0
-    ) -> list[Draft]:
-        """One drafting round in compiled passes (``ProposerContext.compile``).
 
-        Every sequence of the batch takes part, in batch order (the engine's slots 0..B−1),
-        for the longest chain asked; shorter chains' extra tokens are dropped (their cache rows
-        lie past the committed length, like padding), so the batch, and the graph class, stay
-        fixed through the round.  First pass: the step-0 entries of each sequence's newest
-        positions (at most max_k + 1; older ones, after a prefill or while the gate was off,
-        are caught up eagerly first), padded to a uniform [B, M ≥ 2] block like the target's
-        decode steps (padded rows write cache rows past the committed length, which the chain
-        overwrites before anything reads them), then the draft logits at the last real position
-        and d_1.  Then one pass per chain position.  Tokens are picked on device (uniforms
-        drawn on the host from each sequence's generator, one per pass, as the eager path
-        draws them).  Graph classes: one sequence or more, slots 0..B−1 or not, greedy only or
-        some sampled.
-        """
-        out = [Draft([]) for _ in batch]
-        steps = [min(k, self.max_k) for k in ks]
-        self._catch_up(batch, keep=self.max_k + 1)  # older positions (prefill, gate-off spells)
-        tails = []
-        for s in batch:
-            st = self._state[s.seq_id]
-            chunks = [f[a:b] for f, a, b in st.pending]
-            tails.append(chunks[0] if len(chunks) == 1 else torch.cat(chunks))
-            st.pending = []
-        lens = [t.shape[0] for t in tails]
-        width = max(2, *lens)  # M ≥ 2: no M = 1 graph class
-        first = [s.kv_len - n for s, n in zip(batch, lens, strict=True)]
-        ids = []
-        for s, a, n in zip(batch, first, lens, strict=True):
-            ids += s.tokens[a + 1 : a + n + 1] + [0] * (width - n)
-        feats = torch.cat(
-            [x for t in tails for x in (t, t.new_zeros(width - t.shape[0], t.shape[1]))]
-        )
-        size = len(batch)
-        slots_are_prefix = all(s.slot == i for i, s in enumerate(batch))
-        greedy = [s.params.temperature <= 0 for s in batch]
-        t_ids, t_cu, t_pos, t_seq, t_slots, t_first, t_last, t_kv, t_greedy = _int_tensors(
-            ids,
-            [b * width for b in range(size + 1)],
-            [j for _ in batch for j in range(width)],
-            [b for b in range(size) for _ in range(width)],
-            [s.slot for s in batch],
-            first,
-            [b * width + n - 1 for b, n in enumerate(lens)],
-            [s.kv_len for s in batch],
-            greedy,
-            device=self.device,
-        )
-        t_greedy = t_greedy.bool()
-        temps = self._temperatures(batch, greedy, scale)
-        sampled = not all(greedy)
-        key = (size == 1, slots_are_prefix, sampled)  # the graph class of every pass
-        cache = CacheBatch(
-            self.cache, t_slots, t_first, max(first) + width, slots_are_prefix=slots_are_prefix
-        )
-        h, tok, q = self._compiled_start(  # type: ignore[misc]
-            feats, t_ids, PackedLayout(t_cu, t_pos, width, t_seq), cache, t_last, temps,
-            self._uniforms(batch, greedy, steps, 0), t_greedy, sampled, key=key,
-        )  # fmt: skip
-        for s, h_last in zip(batch, h.unbind(0), strict=True):
-            st = self._state[s.seq_id]
-            st.h_last, st.main_len = h_last, s.kv_len
-        toks, qs = [tok], [q]
-        kv = max(s.kv_len for s in batch)
-        for j in range(1, max(steps)):  # chain position j: d_j in, d_{j+1} out
-            cache = CacheBatch(
-                self.cache,
-                t_slots,
-                t_kv + (j - 1),
-                kv + j,
-                slots_are_prefix=slots_are_prefix,
-                full_rows=size == 1,  # the flag follows the shape: aligned prefixes, same graph
-            )
-            h, tok, q = self._compiled(  # type: ignore[misc]
-                h, tok, self._ones(size), cache, temps, self._uniforms(batch, greedy, steps, j),
-                t_greedy, sampled, key=key,
-            )  # fmt: skip
-            toks.append(tok)
-            qs.append(q)
-        host = torch.stack(toks, 1).tolist()  # [B, K]: one transfer for the round
-        for s in batch:  # compiled rounds keep no chain end: they are not drafted ahead
-            self._state[s.seq_id].chain_end = None
-        probs = None if qs[0] is None else torch.stack(qs, 1)  # [B, K, V]
-        for r, d in enumerate(out):
-            d.tokens = host[r][: steps[r]]
-            if probs is not None and not greedy[r] and d.tokens:
-                d.probs = probs[r, : steps[r]]
-        return out
+def _newest_block(
+    rnd: _Round, tails: list[torch.Tensor], kv: KVCache
+) -> tuple[torch.Tensor, torch.Tensor, PackedLayout, CacheBatch, torch.Tensor]:
+    """The compiled start's inputs: each row's newest positions (``tails``, at most max_k + 1
+    after the eager catch-up) padded to a uniform [B, M ≥ 2] block like the target's decode
+    steps (padded rows write cache rows past the committed length, which the chain overwrites
+    before anything reads them), and the index of each row's last real position."""
+    lens = [t.shape[0] for t in tails]
+    width = max(2, *lens)  # M ≥ 2: no M = 1 graph class
+    first = [s.kv_len - n for s, n in zip(rnd.seqs, lens, strict=True)]
+    ids = []
+    for s, a, n in zip(rnd.seqs, first, lens, strict=True):
+        ids += s.tokens[a + 1 : a + n + 1] + [0] * (width - n)
+    feats = torch.cat([x for t in tails for x in (t, t.new_zeros(width - t.shape[0], t.shape[1]))])
+    size = len(tails)
+    t_ids, t_cu, t_pos, t_seq, t_first, t_last = _int_tensors(
+        ids,
+        [b * width for b in range(size + 1)],
+        [j for _ in range(size) for j in range(width)],
+        [b for b in range(size) for _ in range(width)],
+        first,
+        [b * width + n - 1 for b, n in enumerate(lens)],
+        device=rnd.device,
+    )
+    cache = CacheBatch(
+        kv, rnd.slots, t_first, max(first) + width, slots_are_prefix=rnd.slots_are_prefix
+    )
+    return feats, t_ids, PackedLayout(t_cu, t_pos, width, t_seq), cache, t_last
 
-    def _temperatures(
-        self, seqs: list[SeqState], greedy: list[bool], scale: float = 1.0
-    ) -> torch.Tensor:
-        """[B] draft temperatures: the request's times the round's scale s (1 for greedy rows,
-        whose draws are argmax anyway)."""
-        temps = [
-            1.0 if g else s.params.temperature * scale for s, g in zip(seqs, greedy, strict=True)
-        ]
-        return torch.tensor(temps, device=self.device)
 
-    def _uniforms(
-        self, seqs: list[SeqState], greedy: list[bool], steps: list[int], j: int
-    ) -> torch.Tensor:
-        """[B] uniforms of pass j: one from its own generator for each sampled sequence whose
-        chain reaches d_{j+1} (as many draws as the eager path makes), 0 elsewhere."""
-        return torch.cat(
-            [
-                torch.rand(1, generator=s.generator) if not g and j < k else torch.zeros(1)
-                for s, g, k in zip(seqs, greedy, steps, strict=True)
-            ]
-        ).to(self.device)
-
-    def _draw(
-        self,
-        logits: torch.Tensor,  # [B, Vd]
-        temps: torch.Tensor,  # [B] temperatures (1 for greedy rows)
-        u: torch.Tensor,  # [B] uniforms (ignored for greedy rows)
-        greedy: torch.Tensor,  # [B] bool
-        sampled: bool,  # host flag: some row samples
-        any_greedy: bool = True,  # host flag: some row is greedy (False skips their argmax)
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One draft token per row of draft-vocab logits [B, Vd], all rows at once, on device:
-        greedy rows take the argmax (one-hot q); sampled rows draw by inverse CDF from
-        q = softmax(logits / temperature) with their uniform.  Returns target ids [B] and q
-        [B, V] over the target vocabulary (None when every row is greedy; rows of greedy
-        sequences hold an unused softmax)."""
-        if not sampled:
-            return self._to_target[logits.argmax(-1)], None
-        q_d = torch.softmax(_wide(logits) / temps[:, None], dim=-1)
-        cdf = q_d.cumsum(-1)
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None])[:, 0]
-        ids = pick.clamp_(max=q_d.shape[-1] - 1)
-        if any_greedy:
-            ids = torch.where(greedy, logits.argmax(-1), ids)
-        q = q_d.new_zeros(logits.shape[0], self.vocab).index_copy_(1, self._to_target, q_d)
-        return self._to_target[ids], q
-
-    def _start_draw(
-        self,
-        feats: torch.Tensor,
-        ids: torch.Tensor,
-        layout: PackedLayout,
-        cache: CacheBatch,
-        last: torch.Tensor,
-        temps: torch.Tensor,
-        u: torch.Tensor,
-        greedy: torch.Tensor,
-        sampled: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Compiled: step-0 entries of the padded newest positions, then d_1 at the last ones."""
-        h = self.draft.decode(self.draft.project(feats), ids, layout, cache, fused=False)
-        h = h.index_select(0, last)
-        tok, q = self._draw(self.draft.logits(h), temps, u, greedy, sampled)
-        return h, tok, q
-
-    def _chain_draw(
-        self,
-        h: torch.Tensor,
-        tok: torch.Tensor,
-        layout: PackedLayout,
-        cache: CacheBatch,
-        temps: torch.Tensor,
-        u: torch.Tensor,
-        greedy: torch.Tensor,
-        sampled: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Compiled: chain position j → j + 1 and the draft token d_{j+1}."""
-        h, logits = self._chain_step(h, tok, layout, cache)
-        tok, q = self._draw(logits, temps, u, greedy, sampled)
-        return h, tok, q
-
-    def _chain_step(
-        self,
-        h: torch.Tensor,
-        tok: torch.Tensor,
-        layout: PackedLayout,
-        cache: CacheBatch,
-        fused: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chain position j → j + 1: the draft layer on (h, d_j), then the logits of d_{j+1}."""
-        h = self.draft.decode(h, tok, layout, cache, fused=fused)
-        return h, self.draft.logits(h, fused=fused)
-
-    def _ones(self, n: int) -> PackedLayout:
-        """The layout of n sequences of one token each (kept: chain steps reuse it)."""
-        layout = self._one_layouts.get(n)
-        if layout is None:
-            layout = self._one_layouts[n] = PackedLayout.from_lengths([1] * n, device=self.device)
-        return layout
+def _head(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n rows of ``t`` (``t`` itself when that is all of them)."""
+    return t if t.shape[0] == n else t[:n]
 
 
 def _wide(logits: torch.Tensor) -> torch.Tensor:
