@@ -38,7 +38,7 @@ from gpu_check import REPO, Ctx, result, table
 
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 from specrl.rollout.proposers import ProposerContext, register_proposer
-from specrl.rollout.proposers.eagle3 import Eagle3Proposer
+from specrl.rollout.proposers.eagle3 import DraftPasses, Eagle3Proposer
 
 PROFILE = REPO / "benchmarks" / "results" / "studies" / "draft_temperature.json"
 PROFILE_ROW = {"target": "runs/toy/target", "scale": "auto"}
@@ -64,35 +64,46 @@ def load_profile(path: Path = PROFILE) -> tuple[list[float], str]:
     return row["per_position"], f"{path.relative_to(REPO)} ({row['target']}, scale {row['scale']})"
 
 
+class ReplayPasses(DraftPasses):
+    """The draft's passes with each draw replaced (after the real draw, for its cost) by one
+    from q = uniform over target ids < m_j at chain position j (module docstring)."""
+
+    def __init__(self, draft, vocab: int, alphas: list[float]) -> None:
+        super().__init__(draft, vocab)
+        self.sizes = [max(1, min(vocab, round(a * vocab))) for a in alphas]
+        self.position = 0  # the chain position the next draw is for; 0 at each round's start
+
+    def draw(self, logits, temps, u, greedy, sampled, any_greedy=True):
+        if any_greedy:  # greedy verification ignores q: there is no rate to replay
+            raise ValueError("eagle3_replay replays sampled acceptance: requests need T > 0")
+        super().draw(logits, temps, u, greedy, sampled, any_greedy)  # the real draw's cost
+        m = self.sizes[min(self.position, len(self.sizes) - 1)]
+        self.position += 1
+        ids = (u * m).long().clamp_(max=m - 1)
+        q = torch.zeros(logits.shape[0], self.vocab, dtype=torch.float32, device=logits.device)
+        q[:, :m] = 1.0 / m
+        return ids, q
+
+
 class ReplayProposer(Eagle3Proposer):
     """EAGLE-3 drafting whose chain step j draws from q = uniform over target ids < m_j (module
     docstring); the draft's own forwards run as usual, so its cost is the real one."""
 
     name = "eagle3_replay"
     # drafting ahead (specrl.rollout.decoupled) would continue chains at other positions than
-    # the profile's: this proposer stays coupled
-    propose_ahead = None
+    # the profile's, and a compiled round would trace the position counter: eager and coupled
+    ahead_safe = False
 
     def __init__(self, draft, ctx: ProposerContext, *, alphas: list[float], max_k: int = 16):
+        if ctx.compile:
+            raise ValueError("eagle3_replay counts chain positions on the host: compile=False")
         super().__init__(draft, ctx, max_k=max_k, temperature_scale=1.0)
-        self.sizes = [max(1, min(self.vocab, round(a * self.vocab))) for a in alphas]
-        self._step = 0
+        self.passes = ReplayPasses(draft, self.vocab, alphas)
 
     @torch.no_grad()
     def propose(self, batch, ks):
-        self._step = 0
+        self.passes.position = 0
         return super().propose(batch, ks)
-
-    def _draw(self, logits, temps, u, greedy, sampled, any_greedy=True):
-        if any_greedy:  # greedy verification ignores q: there is no rate to replay
-            raise ValueError("eagle3_replay replays sampled acceptance: requests need T > 0")
-        super()._draw(logits, temps, u, greedy, sampled, any_greedy)  # the real draw's cost
-        m = self.sizes[min(self._step, len(self.sizes) - 1)]
-        self._step += 1
-        ids = (u * m).long().clamp_(max=m - 1)
-        q = torch.zeros(logits.shape[0], self.vocab, dtype=torch.float32, device=logits.device)
-        q[:, :m] = 1.0 / m
-        return ids, q
 
 
 @register_proposer("eagle3_replay")

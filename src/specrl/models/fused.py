@@ -10,7 +10,7 @@ nothing); a :class:`Plan` holds the inference copies of a module's weights:
 - on CPU, the **transposed** row concatenation, [in, out] contiguous, for every projection
   (single ones included): MKL runs ``x @ W`` on it faster at decode sizes than ``x @ Wᵀ`` on
   the parameter's [out, in] layout, and ``mm``/``addmm`` skip ``linear``'s dispatch layers
-  (measured on the toy targets: docs/benchmarks.md, "Studies");
+  (measured on the toy targets: docs/benchmarks.md, "Decisions");
 - elsewhere, the row concatenation (none for a single weight: the parameter itself) for
   ``F.linear``, whose transposed operand the GPU GEMMs take as it is.
 

@@ -40,7 +40,7 @@ chain until a miss sends the next round back to the target's taps.
 :meth:`propose_ahead`, eager or compiled: a start (d_1 from the last committed position), then
 one pass per chain position — the draft layer over the KV, the logits, the token drawn on
 device — with the round's rows and cache rows as data (:class:`_Round`) and the per-position
-computations in :class:`_Passes`.  Eagerly a pass runs the draft's fused copies on the chains
+computations in :class:`DraftPasses`.  Eagerly a pass runs the draft's fused copies on the chains
 still drafting; with ``ProposerContext.compile`` the same functions run under
 ``torch.compile`` on the whole batch (the start also writes the newest main entries), with the
 drafts, q and generator draws of the eager round.  Either round keeps its chains' ends.
@@ -251,7 +251,7 @@ class _Round:
         return out
 
 
-class _Passes:
+class DraftPasses:
     """The draft's computations for one chain position, every row at once and on device: what
     a round runs eagerly or, wrapped in :class:`~specrl.rollout.compiled.Compiled`, compiled."""
 
@@ -411,7 +411,7 @@ class Eagle3Proposer(ProposerBase):
         self.device = ctx.target.device
         self._state: dict[int, _SeqDraft] = {}
         self.temperature_scale = TemperatureScale(temperature_scale, seed=ctx.seed)
-        self.passes = _Passes(draft, self.vocab)
+        self.passes = DraftPasses(draft, self.vocab)
         self._ones = _OneTokenLayouts(self.device)
         self._compiled = self._compiled_start = None
         if ctx.compile:  # the round's passes under torch.compile (specrl.rollout.compiled)
