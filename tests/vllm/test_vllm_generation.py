@@ -6,7 +6,9 @@
   logprobs against the policy's own log-softmax, per-sample speculation statistics that add up
   to the call's;
 - a draft update reaches vLLM's drafter: a scrambled draft drops τ to ≈ 1 and raises the alarm,
-  the good one restores τ.
+  the good one restores τ;
+- a bad update (NaN, wrong shape, out-of-range ``d2t``) is refused before anything is sent:
+  vLLM generates exactly as before.
 
 One vLLM engine per module fixture; the full-vocabulary export has its own module
 (``test_vllm_full_vocab.py``).
@@ -194,6 +196,42 @@ def test_draft_update_reaches_the_drafter(toy_pair, eagle3, caplog):
     eagle3.update_weights(draft=state, version=2)
     after = eagle3.generate(reqs).stats["spec"]["tau"]
     assert after > 1.5 and abs(after - before) < 0.05, (before, after)
+
+
+def test_bad_update_changes_nothing_in_vllm(toy_pair, eagle3):
+    """A bad update (a NaN, a wrong shape, an out-of-range d2t) is refused before anything is
+    sent, with a valid (but different) policy alongside it: vLLM then generates exactly what it
+    did before, drafts as it did, and the versions stay."""
+    from specrl.errors import CheckpointError
+    from specrl.models.checkpoint import load_model
+    from specrl.models.draft_io import draft_state, load_draft
+    from specrl.rollout import Request, SamplingParams
+
+    target = load_model(toy_pair.target)
+    draft = draft_state(load_draft(toy_pair.drafts["reduced"], target)[0])
+    # a policy that would change the outputs: every embedding row shifted by one token
+    emb = "model.embed_tokens.weight"
+    policy = {n: t.detach().clone() for n, t in target.state_dict().items()}
+    policy[emb] = policy[emb].roll(1, 0)
+    nan = {**draft, "fc.weight": draft["fc.weight"].clone()}
+    nan["fc.weight"][0, 0] = float("nan")
+    bad = [
+        ({**policy, "model.norm.weight": torch.full_like(policy["model.norm.weight"], math.nan)},
+         None, "non-finite"),
+        (policy, nan, "non-finite"),
+        (policy, {**draft, "fc.weight": draft["fc.weight"][:, :-1]}, "shape"),
+        (None, {**draft, "d2t": draft["d2t"] + 10_000}, "d2t"),
+    ]  # fmt: skip
+    reqs = [Request(p, SamplingParams(max_tokens=40, temperature=0)) for p in task_prompts(8)]
+    before = eagle3.generate(reqs)
+    versions, sync = (eagle3.policy_version, eagle3.draft_version), dict(eagle3.last_sync)
+    for pol, dr, match in bad:
+        with pytest.raises(CheckpointError, match=match):
+            eagle3.update_weights(policy=pol, draft=dr)
+    assert (eagle3.policy_version, eagle3.draft_version) == versions and eagle3.last_sync == sync
+    after = eagle3.generate(reqs)
+    assert [r.tokens for r in after] == [r.tokens for r in before]
+    assert after.stats["spec"]["accepted"] == before.stats["spec"]["accepted"]
 
 
 @pytest.mark.parametrize(("temperature", "top_k"), [(1.0, 0), (0.8, 0)])

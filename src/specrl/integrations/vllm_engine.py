@@ -15,11 +15,13 @@ What it offers, under the embedded engine's names:
   through vLLM's ``prompt_logprobs``, which are always raw); finish and stop reasons;
   per-sample speculation statistics (vLLM's per-request acceptance histogram) and the call's
   own aggregate (τ, per-position acceptance, drafts, draft tokens, accepted);
-- ``update_weights(policy=…, draft=…, version=…)``: in-place ``load_weights`` into the target
-  and into the EAGLE-3 drafter (the draft with the export's names), then a per-tensor checksum
-  of what vLLM now holds against what was sent — a draft that "silently never updates" fails
-  loudly — and vLLM's prefix cache is reset; the stale-draft alarm is armed
-  (:class:`~specrl.rollout.metrics.AcceptanceAlarm`, as in the embedded engine);
+- ``update_weights(policy=…, draft=…, version=…)``: the whole update validated first
+  (:func:`plan_vllm_update`: names, shapes, dtypes, finite values, ``d2t``/``t2d``, against the
+  tensors vLLM loaded; a refused update sends nothing), then in-place ``load_weights`` into
+  the target and into the EAGLE-3 drafter (the draft with the export's names), then a
+  per-tensor checksum of what vLLM now holds against what was sent — a draft that "silently
+  never updates" fails loudly — and vLLM's prefix cache is reset; the stale-draft alarm is
+  armed (:class:`~specrl.rollout.metrics.AcceptanceAlarm`, as in the embedded engine);
 - ``stats()``: counters since construction, plus the speculation in force.
 
 One drafter: vLLM runs one speculative method per engine, ``eagle3`` (the co-trained draft,
@@ -54,6 +56,7 @@ from specrl.errors import CheckpointError, ConfigError, DependencyError, missing
 from specrl.rollout.metrics import AcceptanceAlarm, SpecStats
 from specrl.rollout.sampling import SamplingParams
 from specrl.rollout.types import Request, Result, Results
+from specrl.rollout.weights import check_vocab_map, plan_update
 
 log = logging.getLogger("specrl.vllm")
 
@@ -292,6 +295,74 @@ def vllm_policy_view(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
+# safetensors header dtype names → torch (float8 and other rare kinds: read the tensor itself)
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def declared_tensors(files: Sequence[Path], floating: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint's safetensors headers declare, as ``meta`` tensors (no data
+    read): the names, shapes and dtypes an update of what vLLM loaded from it must match.
+    Floating tensors get ``floating``, the dtype vLLM holds them in, whatever the file's."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                part = fh.get_slice(name)
+                dtype = _SAFETENSORS_DTYPES.get(part.get_dtype())
+                if dtype is None:
+                    dtype = fh.get_tensor(name).dtype
+                if dtype.is_floating_point:
+                    dtype = floating
+                out[name] = torch.empty(tuple(part.get_shape()), dtype=dtype, device="meta")
+    return out
+
+
+def plan_vllm_update(
+    policy: Mapping[str, torch.Tensor] | None,
+    draft: Mapping[str, torch.Tensor] | None,
+    *,
+    declared_policy: Mapping[str, torch.Tensor],
+    declared_draft: Mapping[str, torch.Tensor] | None,
+    vocab_size: int,
+    tied: bool,
+) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
+    """The policy and draft tensors to send to vLLM (CPU; ``None`` where none was given), after
+    the whole update is validated (:func:`specrl.rollout.weights.plan_update`: names, shapes,
+    dtypes, finite values; :func:`~specrl.rollout.weights.check_vocab_map` for ``d2t``/``t2d``)
+    against what vLLM loaded (:func:`declared_tensors` of the policy checkpoint and of the draft
+    export).  Raises :class:`CheckpointError` naming the first problem: nothing is sent then.
+
+    A tied ``lm_head.weight`` is the embedding (vLLM skips it): optional, not sent.  A draft
+    with the target's vocabulary has no map in vLLM: its ``d2t``/``t2d`` (as
+    :func:`~specrl.models.draft_io.draft_state` gives them) are validated, not sent; ``t2d``
+    is never sent (vLLM's EAGLE-3 model keeps only ``d2t``)."""
+    sent_policy = sent_draft = None
+    if policy is not None:
+        optional = ("lm_head.weight",) if tied and "lm_head.weight" not in declared_policy else ()
+        plan_update("policy", policy, declared_policy, optional=optional)
+        sent_policy = {n: policy[n].detach().to("cpu") for n in declared_policy}
+    if draft is not None:
+        if declared_draft is None:
+            raise ConfigError("draft weights given, but this vLLM engine has no EAGLE-3 drafter")
+        own = dict(declared_draft)
+        full = "d2t" not in own  # vLLM's EAGLE-3 model has no map for a full vocabulary
+        if full and isinstance(draft, Mapping) and ("d2t" in draft or "t2d" in draft):
+            own["d2t"] = torch.empty(vocab_size, dtype=torch.int64, device="meta")
+            own["t2d"] = torch.empty(vocab_size, dtype=torch.bool, device="meta")
+        plan_update("draft", draft, own)
+        if "d2t" in own:
+            check_vocab_map("draft", draft["d2t"], draft["t2d"], vocab_size)
+        keep = [n for n in declared_draft if n != "t2d"]
+        sent_draft = {n: draft[n].detach().to("cpu") for n in keep}
+    return sent_policy, sent_draft
+
+
 def _worker_model(worker: Any, which: str) -> Any:
     runner = worker.model_runner
     return runner.drafter.model if which == "draft" else runner.get_model()
@@ -410,6 +481,14 @@ class VllmEngine:
         eos = gen.get("eos_token_id", getattr(cfg.hf_config, "eos_token_id", None))
         eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
         self.eos_token_ids = frozenset(int(e) for e in eos_ids) if not ignore_eos else frozenset()
+        # what an update must match: the tensors vLLM loaded, in the dtype it holds them in
+        from specrl.models.checkpoint import weight_files
+
+        self.tied = bool(getattr(cfg.hf_config, "tie_word_embeddings", False))
+        self._declared = {"policy": declared_tensors(weight_files(self.policy_dir), cfg.dtype)}
+        if self.draft_export is not None and method == "eagle3":
+            files = weight_files(self.draft_export)
+            self._declared["draft"] = declared_tensors(files, cfg.dtype)
         self.policy_version = 0
         self.draft_version = 0
         self.alarm = AcceptanceAlarm(alarm_window, alarm_tau)
@@ -524,7 +603,12 @@ class VllmEngine:
     ) -> None:
         """Load new policy and/or draft weights into vLLM in place; verify them by per-tensor
         checksums; ``version`` defaults to the previous + 1.  ``draft``: the draft's tensors
-        as in its serving export (:func:`specrl.models.draft_io.serving_tensors`)."""
+        (:func:`specrl.models.draft_io.draft_state`, or as in its serving export).
+
+        Everything given is validated before anything is sent (:func:`plan_vllm_update`):
+        raises :class:`~specrl.errors.CheckpointError`, with vLLM's weights and every version
+        unchanged, when ``policy`` or ``draft`` does not match what vLLM loaded (names,
+        shapes, dtypes, finite values, the draft's vocabulary map)."""
         if policy is None and draft is None:
             raise ValueError("update_weights needs policy and/or draft weights")
         if draft is not None and not self.takes_draft_weights:
@@ -532,20 +616,25 @@ class VllmEngine:
                 "draft weights given, but this vLLM engine has no EAGLE-3 drafter "
                 f"(speculation: {self.method or 'none'})"
             )
+        # validated completely before anything reaches vLLM: a refused update leaves the
+        # live engine's weights and versions as they were
+        sent_policy, sent_draft = plan_vllm_update(
+            policy,
+            draft,
+            declared_policy=self._declared["policy"],
+            declared_draft=self._declared.get("draft"),
+            vocab_size=self.vocab_size,
+            tied=self.tied,
+        )
         t0 = time.perf_counter()
         checked = 0
-        if policy is not None:
-            sent = {n: t.detach().to("cpu") for n, t in policy.items()}
-            self.llm.collective_rpc(_worker_load, args=("policy", list(sent.items())))
-            checked += self._verify("policy", vllm_policy_view(sent))
+        if sent_policy is not None:
+            self.llm.collective_rpc(_worker_load, args=("policy", list(sent_policy.items())))
+            checked += self._verify("policy", vllm_policy_view(sent_policy))
             self.policy_version = version if version is not None else self.policy_version + 1
-        if draft is not None:
-            sent = {n: t.detach().to("cpu") for n, t in draft.items() if n != "t2d"}
-            head = sent.get("lm_head.weight")
-            if head is not None and head.shape[0] == self.vocab_size:
-                sent.pop("d2t", None)  # full draft vocabulary: vLLM keeps no draft→target map
-            self.llm.collective_rpc(_worker_load, args=("draft", list(sent.items())))
-            checked += self._verify("draft", _draft_view(sent))
+        if sent_draft is not None:
+            self.llm.collective_rpc(_worker_load, args=("draft", list(sent_draft.items())))
+            checked += self._verify("draft", _draft_view(sent_draft))
             self.draft_version = version if version is not None else self.draft_version + 1
         self.llm.reset_prefix_cache()  # cached K/V of the old weights must not be reused
         with contextlib.suppress(AttributeError):
