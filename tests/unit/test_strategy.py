@@ -105,9 +105,7 @@ def test_a_strategy_is_reached_through_its_protocol_only(artifacts, monkeypatch)
     plain.sync_engine(1)
     wrapped.sync_engine(1)
     assert set(recording.calls) <= PROTOCOL, sorted(set(recording.calls) - PROTOCOL)
-    assert {"forward_backward", "clip_policy_", "clip_draft_", "after_step"} <= set(
-        recording.calls
-    )
+    assert {"forward_backward", "clip_policy_", "clip_draft_", "after_step"} <= set(recording.calls)
     assert "gather_weights" in recording.calls
     for key in ("policy_loss", "policy_grad_norm", "draft_loss", "draft_grad_norm"):
         assert got[key] == want[key], key
