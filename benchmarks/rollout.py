@@ -93,8 +93,9 @@ COLUMNS = (
 
 
 def spec_configs(
-    draft: Path, compiled: bool, max_k: int = MAX_K, decoupled: bool = False
-) -> dict[str, SpecConfig | None]:
+    draft: Path, compiled: bool, max_k: int = MAX_K, decoupled: bool = False,
+    drafter: str = "process",
+) -> dict[str, SpecConfig | None]:  # fmt: skip
     """The specrl variants' speculation settings (names ending in "compiled" compile)."""
     eagle = {"eagle3": {"path": str(draft)}}
     best = SpecConfig(("eagle3", "ngram"), max_k=max_k, proposer_options=eagle)
@@ -108,8 +109,9 @@ def spec_configs(
         specs.update(zip(COMPILED, (None, best), strict=True))
     if decoupled:
         specs[DECOUPLED] = SpecConfig(
-            ("eagle3", "ngram"), max_k=max_k, proposer_options=eagle, decoupled=True
-        )
+            ("eagle3", "ngram"), max_k=max_k, proposer_options=eagle, decoupled=True,
+            drafter=drafter,
+        )  # fmt: skip
     return specs
 
 
@@ -290,12 +292,12 @@ def summarize(mode: str, batch: int, name: str, runs: list[dict], plain: list[di
 def run_mode(
     mode: str, batches: list[int], repeats: int, max_tokens: int, target: Path, draft: Path,
     lookup: int, clock: Callable[[], float], compiled: bool, max_k: int = MAX_K,
-    decoupled: bool = False, threads: int = 1,
+    decoupled: bool = False, threads: int = 1, drafter: str = "process",
 ) -> list[dict]:  # fmt: skip
     model = load_model(target).eval()
     codec = TextCodec.from_checkpoint(target, model.config)
     hf = HFRunner(target, codec.eos_id, model.config.pad_token_id or 0)
-    specs = spec_configs(draft, compiled, max_k, decoupled)
+    specs = spec_configs(draft, compiled, max_k, decoupled, drafter)
     setup = Setup(mode, model, codec, hf, specs, max_tokens, lookup, clock, threads)
     rows = []
     for batch in batches:
@@ -389,6 +391,12 @@ def main() -> None:
         action="store_true",
         help="add decoupled best-of-N (needs --clock wall)",
     )
+    ap.add_argument(
+        "--drafter",
+        choices=("thread", "process"),
+        default="process",
+        help="decoupled best-of-N's drafter: a thread, or a process of its own (CPU)",
+    )
     args = ap.parse_args()
     if args.decoupled and args.clock != "wall":
         ap.error("--decoupled needs --clock wall (its drafter runs on a thread of its own)")
@@ -407,13 +415,14 @@ def main() -> None:
     for mode in modes:
         rows += run_mode(
             mode, batches, repeats, args.max_tokens, args.target, args.draft, args.lookup, clock,
-            args.compile, args.max_k, args.decoupled, args.threads,
+            args.compile, args.max_k, args.decoupled, args.threads, args.drafter,
         )  # fmt: skip
     add_ratios(rows)
     checks = targets(rows)
     title = (
         f"rollout, addition, ≤{args.max_tokens} tokens, max k {args.max_k}, "
         f"{args.clock} clock, {args.threads} thread, median of {repeats}"
+        + (f", decoupled drafter: {args.drafter}" if args.decoupled else "")
     )
     shown = [r if r["tok_s"] is not None else {**r, "tok_s": "unsupported"} for r in rows]
     import transformers
@@ -425,6 +434,7 @@ def main() -> None:
         "max_k": args.max_k,
         "compile": args.compile,
         "decoupled": args.decoupled,
+        "drafter": args.drafter if args.decoupled else None,
         "threads": {
             "plain, serial, hf": args.threads,
             "decoupled": {"target": max(args.threads - 1, 1), "drafter": 1},

@@ -224,9 +224,15 @@ class SpeculationConfig:
         "the gate still decodes plainly where that is cheaper; auto: plain, coupled or decoupled "
         "per batch size by measured cost.",
     )
+    drafter: Literal["thread", "process"] = doc(
+        "thread",
+        "Decoupled drafting: where the drafter runs — a thread of the engine (on a GPU its own "
+        "CUDA stream) or, on CPU, a process of its own (no interpreter lock shared with the "
+        "verifier; the proposers live there).",
+    )
     drafter_threads: int | None = doc(
         1,
-        "Decoupled drafting: the worker's intra-op threads (null: torch's default).",
+        "Decoupled drafting: the drafter's intra-op threads (null: torch's default).",
         ge=1,
         le=4096,
     )

@@ -354,7 +354,9 @@ def _draft_ahead(
     """Worker job: each proposer's ahead drafts, split into (bonus guess, next draft)."""
     out: list[_Pending] = []
     for name, proposer, batch, shadows, drafts, want in jobs:
-        got = proposer.propose_ahead(batch, drafts, want)
+        # shadows: the real sequences' slots and positions, the worker's generators (drawing
+        # from a sequence's own generator here would race the verifier's draws)
+        got = proposer.propose_ahead(shadows, drafts, want)
         if got is None:  # no chain of its own: ``propose`` on the shadows
             got = proposer.propose(shadows, want)
         if len(got) != len(batch):

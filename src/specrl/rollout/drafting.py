@@ -29,6 +29,7 @@ from specrl.config.schema import SpeculationConfig
 from specrl.errors import ConfigError
 from specrl.rollout.batch import Launch, checked_draft
 from specrl.rollout.decoupled import DrafterError, DraftWorker, Lookahead, supports_ahead
+from specrl.rollout.drafter_process import ProcessProposer, spawn_proposer
 from specrl.rollout.gating import Arm, SpecController
 from specrl.rollout.metrics import AcceptanceAlarm, Counters
 from specrl.rollout.proposers import Proposer, ProposerContext, SupportsWeights, build_proposer
@@ -52,21 +53,25 @@ class Drafting:
     ) -> None:
         self.clock = clock
         self.vocab_size = ctx.target.config.vocab_size
+        self._ctx, self._spec = ctx, spec
+        if spec.decoupled not in (False, True, "auto"):
+            raise ConfigError(f"decoupled must be true, false or 'auto', got {spec.decoupled!r}")
+        if spec.drafter not in ("thread", "process"):
+            raise ConfigError(f"drafter must be thread or process, got {spec.drafter!r}")
+        process = bool(spec.decoupled) and spec.drafter == "process"
         self.proposers: dict[str, Proposer] = {
-            name: build_proposer(name, ctx, **dict(spec.proposer_options.get(name, {})))
-            for name in spec.proposers
+            name: self._build(name, process=process) for name in spec.proposers
         }
         self.tap_layers = tuple(sorted({t for p in self.proposers.values() for t in p.tap_layers}))
         self.alarm = AcceptanceAlarm(spec.alarm_window, spec.alarm_tau)
         self.lookahead: Lookahead | None = None
         self._waited = 0.0  # seconds the last collect waited for the worker
-        if spec.decoupled not in (False, True, "auto"):
-            raise ConfigError(f"decoupled must be true, false or 'auto', got {spec.decoupled!r}")
         if spec.decoupled and self.proposers:
             try:
                 worker = DraftWorker(
                     threads=spec.drafter_threads,
-                    timeout=spec.drafter_timeout,
+                    # a drafter process reports its own hang (and is killed); this is the backstop
+                    timeout=spec.drafter_timeout + (1.0 if process else 0.0),
                     device=ctx.target.device,
                 )
             except ValueError as e:
@@ -77,6 +82,33 @@ class Drafting:
         self.controller = SpecController(
             spec, list(self.proposers), seed=ctx.seed, padded=padded, ahead=ahead
         )
+
+    def _build(self, name: str, *, process: bool) -> Proposer:
+        """Proposer ``name`` in this process, or in a drafter process of its own."""
+        options = dict(self._spec.proposer_options.get(name, {}))
+        if not process:
+            return build_proposer(name, self._ctx, **options)
+        return spawn_proposer(
+            name,
+            self._ctx,
+            options,
+            threads=self._spec.drafter_threads,
+            timeout=self._spec.drafter_timeout,
+        )
+
+    def _drafter_failed(self) -> None:
+        """Decoupled drafting off for good: the lookahead's worker stopped, and proposers
+        that lived in drafter processes rebuilt in this one (fresh: the engine fails the
+        requests it holds)."""
+        if self.lookahead is not None:
+            self.lookahead.abandon()
+            self.lookahead.worker.close()
+            self.lookahead = None
+            self.controller.drop_ahead()
+        for name, p in list(self.proposers.items()):
+            if isinstance(p, ProcessProposer):
+                p.close()
+                self.proposers[name] = self._build(name, process=False)
 
     # ---------------------------------------------------------------------- per sequence
     def reset(self, seqs: Sequence[SeqState]) -> None:
@@ -141,10 +173,14 @@ class Drafting:
         ``drafts``, returns the call's record for the gate (``Launch.draft_calls``)."""
         proposer = self.proposers[name]
         batch = [seqs[b] for b in idx]
-        queued = proposer.backlog(batch)
-        t0 = self.clock()
-        got = proposer.propose(batch, [caps[b] for b in idx])
-        spent = self.clock() - t0
+        try:
+            queued = proposer.backlog(batch)
+            t0 = self.clock()
+            got = proposer.propose(batch, [caps[b] for b in idx])
+            spent = self.clock() - t0
+        except DrafterError:  # a drafter process failed
+            self._drafter_failed()
+            raise
         if len(got) != len(idx):
             raise RuntimeError(f"proposer {name!r} returned {len(got)} drafts for {len(idx)}")
         for b, draft in zip(idx, got, strict=True):
@@ -198,10 +234,7 @@ class Drafting:
         try:
             self.lookahead.collect()
         except DrafterError:
-            self.lookahead.abandon()
-            self.lookahead.worker.close()
-            self.lookahead = None
-            self.controller.drop_ahead()
+            self._drafter_failed()
             raise
         self._waited = self.clock() - t0
         return self._waited

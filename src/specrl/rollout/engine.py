@@ -256,7 +256,11 @@ class RolloutEngine:
         decoding = [s for s in self.scheduler.running if s.kv_len > 0]
         admitted = self.scheduler.admit(self.policy_version)
         self.drafting.reset(admitted)
-        decode = self.drafting.plan(decoding, self.counters.active) if decoding else None
+        try:
+            decode = self.drafting.plan(decoding, self.counters.active) if decoding else None
+        except DrafterError as exc:  # a drafter process failed: decoupled drafting is off now
+            self._drafter_failed(exc)
+            raise
         prefill = plan_prefill(admitted) if admitted else None
         launches = [launch for launch in (prefill, decode) if launch is not None]
         mode = None  # the decode step's drafting mode (specrl.rollout.decoupled)
@@ -273,10 +277,8 @@ class RolloutEngine:
         host = read_back(launches)  # the step's only device→host transfer
         try:
             waited = self.drafting.collect() if decode is not None else 0.0
-        except DrafterError as exc:  # decoupled drafting is off now: fail what the engine holds
-            held = {s.request_id for s in (*self.scheduler.running, *self.scheduler.waiting)}
-            self.abort(sorted(held))
-            log.warning("%s; later requests draft coupled (decoupled drafting is off)", exc)
+        except DrafterError as exc:  # decoupled drafting is off now
+            self._drafter_failed(exc)
             raise
         finished: list[Result] = []
         for launch, values in zip(launches, host, strict=True):
@@ -295,6 +297,12 @@ class RolloutEngine:
                 target -= self._stopwatch.seconds(*marks) if prefill is not None else 0.0
             self.drafting.learn(decode, host[-1], mode, seconds, target)
         return finished
+
+    def _drafter_failed(self, exc: DrafterError) -> None:
+        """The decoupled drafter failed (raised, died or hung): fail what the engine holds."""
+        held = {s.request_id for s in (*self.scheduler.running, *self.scheduler.waiting)}
+        self.abort(sorted(held))
+        log.warning("%s; later requests draft coupled (decoupled drafting is off)", exc)
 
     def _compact(self) -> None:
         """Move the sequences in the highest slots into the holes finished ones left (their

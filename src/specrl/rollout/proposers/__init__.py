@@ -68,6 +68,7 @@ __all__ = [
     "SupportsWeights",
     "available_proposers",
     "build_proposer",
+    "proposer_module",
     "register_proposer",
 ]
 
@@ -201,6 +202,14 @@ def register_proposer(name: str, factory: ProposerFactory | None = None, *, repl
         return f
 
     return add(factory) if factory is not None else add
+
+
+def proposer_module(name: str) -> str | None:
+    """The module whose import registers ``name`` (a built-in's, or the registered factory's
+    module): what a drafter process imports before :func:`build_proposer`."""
+    if name in _REGISTRY:
+        return getattr(_REGISTRY[name], "__module__", None)
+    return _BUILTIN_MODULES.get(name)
 
 
 def available_proposers() -> list[str]:

@@ -1,0 +1,435 @@
+"""A drafter in a process of its own: decoupled drafting on CPU without a shared interpreter lock.
+
+On CPU the decoupled drafter thread (:class:`~specrl.rollout.decoupled.DraftWorker`) shares
+the interpreter lock with the verifier.  Where much of a step is Python (small models, a few
+hundred microseconds of arithmetic per forward) the two threads take turns instead of running
+side by side, and drafting ahead is slower than drafting in turn.  :class:`ProcessProposer`
+hosts a proposer in a spawned child process with its own intra-op threads and speaks the
+:class:`~specrl.rollout.proposers.Proposer` protocol to it over a pipe:
+
+- ``reset``, ``release``, ``move`` and ``observe`` are queued and travel with the next call
+  that needs an answer (one message per decode step in the steady state);
+- ``propose``, ``propose_ahead``, ``backlog``, ``stats`` and the state and weight calls are
+  request/response.  The drafter thread that runs ``propose_ahead`` blocks on the pipe without
+  the interpreter lock, so the child drafts while the verifier runs.
+
+**Sequences**: the child keeps a mirror :class:`~specrl.rollout.types.SeqState` per sequence;
+every message carries, for the sequences it names, their slot, ``kv_len``, finish reason and
+the tokens appended since the child last saw them.  A sampled sequence's drafts are drawn with
+a generator of the child's, seeded by the engine seed and the sequence id: drafts are
+reproducible and their q rows are the distributions they were drawn from, so verification is
+exactly as lossless as with an in-process drafter (the verifier's generators never leave the
+engine process).
+
+**Weights**: the target is handed to the child in shared memory (``torch.multiprocessing``):
+the policy's in-place weight updates are what the child reads (an EAGLE-3 draft embeds with
+the target's table); draft updates (``check_weights``/``load_weights``) go over the pipe.
+Tensors cross the pipe as NumPy arrays (pickled by value: no shared-memory segment per
+message).
+
+**Failures**: a call the child answers with an exception raises it in the engine process (a
+:class:`~specrl.errors.SpecrlError` — a bad draft update, a missing draft — as itself, any
+other as :class:`~specrl.rollout.decoupled.DrafterError` with the child's traceback); a child
+that exits, or does not answer within ``timeout`` seconds, is a ``DrafterError`` in bounded
+time and the child is killed.  The engine then fails the requests it holds and drafts in
+process from then on (:class:`~specrl.rollout.drafting.Drafting`).
+
+CPU only: on a GPU the drafter thread's own CUDA stream already runs beside the verifier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing
+import os
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.multiprocessing  # its reductions share the target's storages with the child
+
+from specrl import errors
+from specrl.errors import ConfigError
+from specrl.rollout.decoupled import DrafterError
+from specrl.rollout.metrics import SpecStats
+from specrl.rollout.proposers import ProposerBase, ProposerContext, build_proposer, proposer_module
+from specrl.rollout.types import Draft, SeqState
+
+__all__ = ["ProcessProposer", "spawn_proposer"]
+
+STARTUP_TIMEOUT = 120.0  # seconds a child may take to import torch and build its proposer
+
+
+def spawn_proposer(
+    name: str,
+    ctx: ProposerContext,
+    options: Mapping[str, Any],
+    *,
+    threads: int | None,
+    timeout: float,
+) -> ProcessProposer:
+    """``build_proposer(name, ctx, **options)`` in a child process, behind a proxy; a proposer
+    with draft weights gets a proxy that forwards ``check_weights``/``load_weights``."""
+    if ctx.target.device.type != "cpu":
+        raise ConfigError(
+            "speculation.drafter: process runs drafters on CPU only",
+            hint="use drafter: thread on a GPU (the drafter runs on a CUDA stream of its own)",
+        )
+    proxy = ProcessProposer(name, ctx, options, threads=threads, timeout=timeout)
+    if proxy.info["weights"]:
+        proxy.__class__ = _WeightedProcessProposer
+    return proxy
+
+
+class ProcessProposer(ProposerBase):
+    """The proxy of a proposer living in a child process (module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        ctx: ProposerContext,
+        options: Mapping[str, Any],
+        *,
+        threads: int | None,
+        timeout: float,
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError(f"drafter timeout must be > 0 s, got {timeout}")
+        self.name = name
+        self.timeout = timeout
+        self._embed = ctx.target.model.embed_tokens.weight
+        ctx.target.share_memory()  # in place: the child maps the same pages
+        self._embed_ptr = self._embed.data_ptr()
+        fields = {
+            "max_model_len": ctx.max_model_len,
+            "num_slots": ctx.num_slots,
+            "seed": ctx.seed,
+            "compile": ctx.compile,
+            "guard_check_every": ctx.guard_check_every,
+        }
+        mp = multiprocessing.get_context("spawn")
+        self._conn, child = mp.Pipe()
+        self._proc = mp.Process(
+            target=_child_main,
+            args=(child, name, dict(options), proposer_module(name), fields, ctx.target, threads),
+            name=f"specrl-drafter-{name}",
+            daemon=True,
+        )
+        self._proc.start()
+        child.close()
+        self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._conn)
+        self._lock = threading.Lock()
+        self._outbox: list[tuple] = []
+        self._sent: dict[int, int] = {}  # seq_id → tokens the child holds
+        self.broken: str | None = None
+        self._graphs = 0
+        self.info = self._answer(max(timeout, STARTUP_TIMEOUT))
+        self.tap_layers = tuple(self.info["tap_layers"])
+        self.ahead_safe = bool(self.info["ahead_safe"])
+
+    # ------------------------------------------------------------------ the protocol
+    def reset(self, seq: SeqState) -> None:
+        self._sent[seq.seq_id] = len(seq.tokens)
+        self._outbox.append(("reset", _full(seq)))
+
+    def release(self, seq: SeqState) -> None:
+        self._outbox.append(("release", self._sync([seq])))
+        self._sent.pop(seq.seq_id, None)
+
+    def move(self, moves: list[tuple[SeqState, int]]) -> None:
+        seqs = [s for s, _ in moves]
+        self._outbox.append(("move", self._sync(seqs), [slot for _, slot in moves]))
+
+    def observe(
+        self,
+        batch: list[SeqState],
+        accepted: list[int],
+        taps: dict[int, torch.Tensor] | None,
+        committed: list[int],
+    ) -> None:
+        arrays = None if taps is None else {k: _array(v) for k, v in taps.items()}
+        self._outbox.append(("observe", self._sync(batch), list(accepted), arrays, committed))
+
+    def propose(self, batch: list[SeqState], ks: list[int]) -> list[Draft]:
+        return [_draft(d) for d in self._call("propose", self._sync(batch), list(ks))]
+
+    def propose_ahead(
+        self, batch: list[SeqState], drafts: list[Draft], ks: list[int]
+    ) -> list[Draft]:
+        """On the drafter thread: the child drafts while this thread waits on the pipe (the
+        child samples with its own generators, whatever generators ``batch`` carries)."""
+        sent = [[int(t) for t in d.tokens] for d in drafts]
+        syncs = self._sync(batch, [len(d) for d in sent])  # ``batch`` may carry the drafts
+        return [_draft(d) for d in self._call("ahead", syncs, sent, list(ks))]
+
+    def backlog(self, batch: list[SeqState]) -> int:
+        return int(self._call("backlog", self._sync(batch)))
+
+    @property
+    def compiled_graphs(self) -> int:
+        return self._graphs  # as of the child's last answer
+
+    def stats(self) -> dict[str, Any]:
+        return self._call("stats")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._call("state_dict")
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._call("load_state_dict", dict(state))
+
+    def close(self) -> None:
+        """Stop the child (a proxy that is garbage collected stops it too)."""
+        self.broken = self.broken or "it was closed"
+        self._finalizer()
+
+    # ------------------------------------------------------------------ the pipe
+    def _sync(self, seqs: list[SeqState], extra: list[int] | None = None) -> list[tuple]:
+        """Per sequence what changed since the child last saw it: (seq_id, slot, kv_len,
+        finish_reason, first new token's index, the new tokens); ``extra[b]``: tokens at the
+        end of ``seqs[b]`` that are not the sequence's (a shadow's drafts)."""
+        out = []
+        for b, s in enumerate(seqs):
+            n = len(s.tokens) - (extra[b] if extra else 0)
+            known = self._sent.get(s.seq_id, 0)
+            if known > n:  # cut back (the engine never does): resend all of it
+                known = 0
+            out.append((s.seq_id, s.slot, s.kv_len, s.finish_reason, known, s.tokens[known:n]))
+            if s.seq_id in self._sent:
+                self._sent[s.seq_id] = n
+        return out
+
+    def _call(self, op: str, *args: Any) -> Any:
+        with self._lock:
+            if self.broken is not None:
+                raise DrafterError(f"drafter process {self.name!r} is unusable: {self.broken}")
+            if self._embed.data_ptr() != self._embed_ptr:
+                self._fail("the target's embedding was replaced, not updated in place")
+            msgs, self._outbox = [*self._outbox, (op, *args)], []
+            try:
+                self._conn.send(msgs)
+            except (OSError, ValueError) as exc:  # BrokenPipe: the child is gone
+                self._fail(f"it could not be reached ({type(exc).__name__})")
+            return self._answer(self.timeout)
+
+    def _answer(self, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(min(0.05, max(deadline - time.monotonic(), 0))):
+            if not self._proc.is_alive():
+                self._fail(f"it died (exit code {self._proc.exitcode})")
+            if time.monotonic() >= deadline:
+                self._fail(f"it did not answer within {timeout:g} s")
+        try:
+            status, value, graphs = self._conn.recv()
+        except (EOFError, OSError):  # the pipe closed: the child is exiting
+            self._proc.join(timeout=1)
+            self._fail(f"it died (exit code {self._proc.exitcode})")
+        self._graphs = graphs
+        if status == "ok":
+            return value
+        kind, message, trace, hint = value
+        known = getattr(errors, kind, None)
+        if isinstance(known, type) and issubclass(known, errors.SpecrlError):
+            raise known(message, hint=hint)  # bad input (a draft update, a path): as itself
+        raise DrafterError(f"drafter process {self.name!r} failed: {kind}: {message}\n{trace}")
+
+    def _fail(self, why: str) -> None:
+        self.broken = why
+        if self._proc.is_alive():  # hung or half-broken: no graceful exit to wait for
+            self._proc.kill()
+        self._finalizer()
+        raise DrafterError(
+            f"drafter process {self.name!r} failed: {why}; the requests in flight fail"
+        )
+
+
+class _WeightedProcessProposer(ProcessProposer):
+    """The proxy of a proposer with draft weights (``SupportsWeights``)."""
+
+    def check_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._call("check_weights", {k: _array(v) for k, v in state.items()})
+
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._call("load_weights", {k: _array(v) for k, v in state.items()})
+
+
+def _shutdown(proc: multiprocessing.process.BaseProcess, conn: Any) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        conn.send(None)
+    proc.join(timeout=2)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=2)
+    conn.close()
+
+
+# ---------------------------------------------------------------------- wire formats
+def _array(t: torch.Tensor) -> tuple[bool, np.ndarray]:
+    """(bfloat16?, the values): NumPy has no bfloat16, whose bits travel as int16."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return True, t.view(torch.int16).numpy().copy()
+    return False, t.numpy().copy()
+
+
+def _tensor(wire: tuple[bool, np.ndarray]) -> torch.Tensor:
+    bf16, a = wire
+    return torch.from_numpy(a).view(torch.bfloat16) if bf16 else torch.from_numpy(a)
+
+
+def _full(seq: SeqState) -> tuple:
+    return (
+        seq.seq_id,
+        seq.request_id,
+        seq.index,
+        list(seq.tokens),
+        seq.prompt_len,
+        seq.params,
+        seq.generator is not None,
+        seq.slot,
+        seq.kv_len,
+    )
+
+
+def _wire(d: Draft) -> tuple[list[int], tuple[bool, np.ndarray] | None]:
+    return [int(t) for t in d.tokens], None if d.probs is None else _array(d.probs)
+
+
+def _draft(wire: tuple[list[int], tuple[bool, np.ndarray] | None]) -> Draft:
+    tokens, probs = wire
+    return Draft(tokens, None if probs is None else _tensor(probs))
+
+
+# ---------------------------------------------------------------------- the child
+def _child_main(conn, name, options, module, fields, target, threads) -> None:
+    """The child: build the proposer, report what it is, then serve messages until None/EOF."""
+    torch.set_num_threads(threads or 1)
+    graphs = 0
+    try:
+        if module:
+            importlib.import_module(module)  # registers the proposer (a test's, a plugin's)
+        proposer = build_proposer(name, ProposerContext(target=target, **fields), **options)
+        host = _Host(proposer, fields["seed"])
+        info = {
+            "tap_layers": list(proposer.tap_layers),
+            "ahead_safe": bool(proposer.ahead_safe),
+            "weights": callable(getattr(proposer, "load_weights", None)),
+            "pid": os.getpid(),
+        }
+        conn.send(("ok", info, graphs))
+    except Exception as exc:
+        conn.send(("err", _exc_wire(exc), graphs))
+        return
+    failed: BaseException | None = None  # an error in a queued call: the next answer says so
+    while True:
+        try:
+            msgs = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msgs is None:
+            return
+        value = None
+        for op, *args in msgs:
+            if failed is not None:
+                break
+            try:
+                with torch.no_grad():
+                    value = getattr(host, op)(*args)
+            except Exception as exc:
+                failed = exc
+        graphs = proposer.compiled_graphs
+        if failed is not None:
+            conn.send(("err", _exc_wire(failed), graphs))
+            failed = None
+        else:
+            conn.send(("ok", value, graphs))
+
+
+def _exc_wire(exc: BaseException) -> tuple[str, str, str, str | None]:
+    trace = "".join(traceback.format_exception(exc))[-4000:]
+    return type(exc).__name__, str(exc), trace, getattr(exc, "hint", None)
+
+
+class _Host:
+    """The child's side: the proposer and mirrors of the engine's sequences."""
+
+    def __init__(self, proposer: Any, seed: int) -> None:
+        self.proposer = proposer
+        self.seed = seed
+        self.seqs: dict[int, SeqState] = {}
+
+    def _apply(self, syncs: list[tuple]) -> list[SeqState]:
+        out = []
+        for seq_id, slot, kv_len, finish, start, tokens in syncs:
+            seq = self.seqs[seq_id]
+            del seq.tokens[start:]
+            seq.tokens.extend(tokens)
+            seq.slot, seq.kv_len, seq.finish_reason = slot, kv_len, finish
+            out.append(seq)
+        return out
+
+    def reset(self, full: tuple) -> None:
+        seq_id, request_id, index, tokens, prompt_len, params, sampled, slot, kv_len = full
+        gen = None
+        if sampled:  # a stream of the child's own, reproducible from the engine seed
+            gen = torch.Generator().manual_seed(
+                (self.seed * 1_000_003 + seq_id * 7_919 + 29) % 2**63
+            )
+        seq = SeqState(
+            seq_id, request_id, index, tokens, prompt_len, params, gen, slot, kv_len,
+            stats=SpecStats(),
+        )  # fmt: skip
+        self.seqs[seq_id] = seq
+        self.proposer.reset(seq)
+
+    def release(self, syncs: list[tuple]) -> None:
+        for seq in self._apply(syncs):
+            self.proposer.release(seq)
+            del self.seqs[seq.seq_id]
+
+    def move(self, syncs: list[tuple], slots: list[int]) -> None:
+        seqs = self._apply(syncs)
+        self.proposer.move(list(zip(seqs, slots, strict=True)))
+
+    def observe(self, syncs, accepted, taps, committed) -> None:
+        tensors = None if taps is None else {k: _tensor(v) for k, v in taps.items()}
+        self.proposer.observe(self._apply(syncs), accepted, tensors, committed)
+
+    def propose(self, syncs, ks) -> list[tuple]:
+        return [_wire(d) for d in self.proposer.propose(self._apply(syncs), ks)]
+
+    def ahead(self, syncs, drafts, ks) -> list[tuple]:
+        batch = self._apply(syncs)
+        got = self.proposer.propose_ahead(batch, [Draft(d) for d in drafts], ks)
+        if got is None:  # no chain of its own: draft on copies carrying the drafts
+            shadows = [
+                SeqState(s.seq_id, s.request_id, s.index, [*s.tokens, *d], s.prompt_len,
+                         s.params, s.generator, s.slot, s.kv_len)
+                for s, d in zip(batch, drafts, strict=True)
+            ]  # fmt: skip
+            got = self.proposer.propose(shadows, ks)
+        return [_wire(d) for d in got]
+
+    def backlog(self, syncs) -> int:
+        return self.proposer.backlog(self._apply(syncs))
+
+    def stats(self) -> dict[str, Any]:
+        return self.proposer.stats()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.proposer.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.proposer.load_state_dict(state)
+
+    def check_weights(self, state) -> None:
+        self.proposer.check_weights({k: _tensor(v) for k, v in state.items()})
+
+    def load_weights(self, state) -> None:
+        self.proposer.load_weights({k: _tensor(v) for k, v in state.items()})

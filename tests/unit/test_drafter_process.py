@@ -1,0 +1,187 @@
+"""Decoupled drafting with the drafter in a process of its own (``speculation.drafter: process``).
+
+The proposers live in a spawned child; the engine speaks the Proposer protocol to them over a
+pipe.  Greedy decoding equals plain decoding token for token (every proposer, batch 1 and
+continuous batching with slot moves); the child really drafts ahead (hits) and really receives
+draft updates; sampled decoding follows the policy (χ² at 1 %, with the lossy variant
+rejected); a child that raises, dies or hangs fails the call in bounded time with a clear error,
+and the engine goes on drafting in process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from specrl.errors import CheckpointError
+from specrl.models.generate import generate
+from specrl.rollout import Request, SamplingParams, SpecConfig, decoupled
+from specrl.rollout.decoupled import DrafterError
+from specrl.rollout.drafter_process import ProcessProposer
+from specrl.rollout.proposers import register_proposer
+from tests.unit.test_decoupled import _lossy_split, _pvalues
+from tests.unit.test_draft import make_pair
+from tests.unit.test_engine import PROMPTS, Garbage, make_engine, tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def greedy(max_tokens: int = 24) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+
+def process_spec(names, **kw) -> SpecConfig:
+    return SpecConfig(proposers=names, max_k=3, gate=False, decoupled=True, drafter="process", **kw)
+
+
+def children(engine) -> list[ProcessProposer]:
+    return [p for p in engine.drafting.proposers.values() if isinstance(p, ProcessProposer)]
+
+
+@pytest.mark.parametrize(
+    ("names", "slots"),
+    [(("ngram",), 3), (("eagle3",), 3), (("eagle3", "ngram"), 1), (("eagle3", "ngram"), 3)],
+    ids=["ngram-continuous", "eagle3-continuous", "best-of-n-batch1", "best-of-n-continuous"],
+)
+def test_greedy_process_drafter_matches_plain(names, slots):
+    target, draft = make_pair()
+    if names == ("ngram",):
+        target = tiny()  # whose continuations repeat: the n-gram drafter finds matches
+    prompts = [*PROMPTS, [4, 4, 5], [6, 1]]
+    lengths = [20, 7, 13, 20, 3, 16, 9, 20]  # finishing at different steps: compaction moves
+    ref = [generate(target, [p], m)[0] for p, m in zip(prompts, lengths, strict=True)]
+    spec = process_spec(names, proposer_options={"eagle3": {"draft": draft}})
+    engine = make_engine(target, max_batch_size=slots, spec=spec)
+    kids = children(engine)
+    assert len(kids) == len(names) and all(k.info["pid"] != os.getpid() for k in kids)
+    out = engine.generate([Request(p, greedy(m)) for p, m in zip(prompts, lengths, strict=True)])
+    assert [r.tokens for r in out] == ref
+    d = engine.stats()["decoupled"]
+    assert d["launched"] > 0 and d["hits"] + d["misses"] == d["launched"]
+    if "eagle3" in names:  # the child's own state, over the pipe
+        assert "temperature_scale" in engine.stats()["drafters"]["eagle3"]
+        assert "eagle3" in engine.drafting.state_dict()["proposers"]
+
+
+def test_the_child_drafts_ahead_and_takes_draft_updates():
+    """Target and draft both always pick token 0: every guess holds and the ahead drafts carry
+    the decoding; a random draft pushed in makes the guesses miss (the update reached the
+    child), with outputs still the target's."""
+    target, draft = make_pair(draft_vocab=32)
+    with torch.no_grad():
+        target.lm_head.weight.zero_()
+        draft.lm_head.weight.zero_()
+    spec = SpecConfig(
+        proposers=("eagle3",), max_k=3, draft_lengths=(3,), gate=False, decoupled=True,
+        drafter="process", proposer_options={"eagle3": {"draft": draft}},
+    )  # fmt: skip
+    engine = make_engine(target, max_batch_size=2, spec=spec)
+    out = engine.generate([Request(p, greedy(30)) for p in PROMPTS[:3]])
+    assert all(r.tokens == [0] * 30 for r in out)
+    first = dict(engine.stats()["decoupled"])
+    assert first["hits"] >= 0.7 * first["launched"] > 0
+
+    other = make_pair(draft_vocab=32, seed=5)[1]  # random: drafts 0 about once in 32
+    wrong = {k: v for k, v in other.state_dict().items() if not k.startswith("embed")}
+    with pytest.raises(CheckpointError):  # validated in the child, nothing loaded
+        engine.update_weights(draft={**wrong, "lm_head.weight": wrong["lm_head.weight"][:, :3]})
+    engine.update_weights(draft=wrong)
+    out = engine.generate([Request(p, greedy(30)) for p in PROMPTS[:3]])
+    assert all(r.tokens == [0] * 30 for r in out)
+    d = engine.stats()["decoupled"]
+    assert d["hits"] - first["hits"] <= 0.1 * (d["launched"] - first["launched"])
+
+
+@pytest.mark.slow  # ~30 s of CPU each
+@pytest.mark.parametrize("lossy", [False, True], ids=["process", "lossy-q"])
+def test_sampled_process_drafter_follows_the_policy(lossy, monkeypatch):
+    """χ² per position at 1 % family-wise over 20 000 samples: drafts drawn in the child with
+    its own generators, verified in the engine, follow the policy; with the ahead drafts' q
+    rows off by one (in the engine, where ahead drafts are split) the test rejects."""
+    if lossy:
+        monkeypatch.setattr(decoupled, "split_ahead", _lossy_split)
+    model = tiny(seed=3, vocab=12)
+    params = SamplingParams(max_tokens=5, temperature=0.9, top_k=8, n=20_000, seed=0)
+    spec = SpecConfig(
+        proposers=("test-mixq",), max_k=1, gate=False, decoupled=True, drafter="process"
+    )
+    engine = make_engine(model, max_batch_size=512, max_model_len=8, spec=spec)
+    assert children(engine)
+    out = engine.generate([Request([1, 2], params)])
+    assert engine.stats()["decoupled"]["hits"] > 2000
+    pvalues = _pvalues(model, out, [1, 2], 5, params)
+    if lossy:
+        assert min(pvalues) < 0.01 / 5, pvalues
+    else:
+        assert min(pvalues) > 0.01 / 5, pvalues
+
+
+# ------------------------------------------------------------------------- failures
+class _ChildFails(Garbage):
+    """Drafts garbage coupled; drafting ahead (always in the child) raises, exits or hangs."""
+
+    ahead_safe = True
+    how = "raise"
+
+    def propose_ahead(self, batch, drafts, ks):
+        if self.how == "raise":
+            raise ValueError("boom in the child")
+        if self.how == "exit":
+            os._exit(3)
+        time.sleep(60)
+
+
+class _Raise(_ChildFails):
+    name = "test-child-raise"
+
+
+class _Exit(_ChildFails):
+    name, how = "test-child-exit", "exit"
+
+
+class _Hang(_ChildFails):
+    name, how = "test-child-hang", "hang"
+
+
+for _kind in (_Raise, _Exit, _Hang):
+    register_proposer(
+        _kind.name, lambda ctx, k=_kind: k(ctx.target.config.vocab_size, 0), replace=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        (_Raise, r"ValueError: boom in the child"),
+        (_Exit, r"died \(exit code 3\)"),
+        (_Hang, r"did not answer within 0\.5 s"),
+    ],
+    ids=["raises", "dies", "hangs"],
+)
+def test_a_failing_child_fails_the_call_and_the_engine_recovers(kind, message, caplog):
+    spec = SpecConfig(
+        proposers=(kind.name,), max_k=2, gate=False, decoupled=True, drafter="process",
+        drafter_timeout=0.5,
+    )  # fmt: skip
+    engine = make_engine(tiny(), max_batch_size=2, spec=spec)
+    (child,) = children(engine)
+    t0 = time.monotonic()
+    with pytest.raises(DrafterError, match=message):
+        engine.generate([Request(p, greedy(12)) for p in PROMPTS[:3]])
+    assert time.monotonic() - t0 < 20
+    assert not engine.has_unfinished() and engine.stats()["running"] == 0
+    assert engine.stats()["decoupled"] is None and not children(engine)  # in process now
+    assert "decoupled drafting is off" in caplog.text
+    child._proc.join(timeout=10)
+    assert not child._proc.is_alive()  # a hung child is killed, not left behind
+    out = engine.generate([Request(p, greedy(8)) for p in PROMPTS[:3]])
+    assert [r.tokens for r in out] == generate(engine.model, PROMPTS[:3], 8)
+
+
+def test_a_child_that_cannot_build_its_proposer_is_a_clear_error(tmp_path):
+    spec = process_spec(("eagle3",), proposer_options={"eagle3": {"path": str(tmp_path)}})
+    with pytest.raises(CheckpointError, match="draft"):
+        make_engine(make_pair()[0], max_batch_size=1, spec=spec)
