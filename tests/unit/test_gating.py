@@ -20,7 +20,7 @@ from specrl.models.presets import preset_config
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 from specrl.rollout.bandit import EpsilonGreedy, RunningMean
 from specrl.rollout.estimates import ChainAcceptance, CostCurve
-from specrl.rollout.gating import Arm, SpecController, SpeculationGate
+from specrl.rollout.gating import PLAIN_FIRST, Arm, SpecController, SpeculationGate
 from specrl.rollout.proposers import Draft, ProposerBase, register_proposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -411,9 +411,9 @@ def test_engine_gate_keeps_a_compute_bound_batch_as_fast_as_plain(model):
 
 def test_engine_gate_keeps_speculation_where_it_pays(model):
     a, b = 10e-3, 1e-5  # latency-bound: k + 1 tokens cost about as much as one
-    plain_tokens, plain_t, _ = _virtual_run(model, None, a, b, PROMPTS[:2])
+    plain_tokens, plain_t, _ = _virtual_run(model, None, a, b, PROMPTS[:2], 48)
     gated = SpecConfig(proposers=["test-gating-oracle"], max_k=4)
-    tokens, gated_t, stats = _virtual_run(model, gated, a, b, PROMPTS[:2])
+    tokens, gated_t, stats = _virtual_run(model, gated, a, b, PROMPTS[:2], 48)
     assert tokens == plain_tokens
     assert 2 in stats["gating"]["gate_on_batch_sizes"]
     assert gated_t < 0.5 * plain_t
@@ -466,3 +466,35 @@ def test_engine_decisions_are_deterministic_with_injected_timings(model):
     assert first[0] == second[0] and first[1] == second[1]
     assert first[2]["gating"] == second[2]["gating"]
     assert first[2]["spec"] == second[2]["spec"]
+
+
+def test_a_plain_step_right_after_a_speculative_one_is_not_a_sample():
+    """It runs with the draft's weights in the caches: not what decoding plainly costs."""
+    ctrl = SpecController(SpecConfig(["p"], max_k=2), ["p"])
+    for rows, seconds, mode in [(4, 1e-3, "plain"), (12, 2e-3, "coupled"), (4, 9e-3, "plain")]:
+        ctrl.record_step(rows, seconds, mode)
+    ctrl.record_step(4, 1e-3, "plain")
+    assert ctrl.target["plain"].count(4) == 2
+    assert ctrl.target["plain"].predict(4) == pytest.approx(1e-3)
+
+
+def test_the_gate_measures_plain_at_a_batch_size_before_it_speculates_there():
+    """Speculation pays at batch 1 (measured); at an unmeasured batch size 8 the gate first
+    decodes plainly until PLAIN_FIRST plain steps of that size are samples."""
+    ctrl = SpecController(SpecConfig(["p"], max_k=2, draft_lengths=[2], probe=0.0), ["p"])
+    arm = Arm("p", 2)
+    for _ in range(PLAIN_FIRST):
+        ctrl.record_step(1, 10e-3, "plain")
+    for _ in range(20):
+        ctrl.record_step(3, 10e-3, "coupled")
+        ctrl.record_draft("p", 2, 1e-4)
+        ctrl.record(arm, 2, 3)
+    assert ctrl.plan(1) is not None  # on at batch 1: 3 tokens for one step's price
+    plain_steps = 0
+    while (arms := ctrl.plan(8)) is None:
+        plain_steps += 1
+        assert plain_steps <= PLAIN_FIRST + 1
+        ctrl.record_step(8, 11e-3, "plain")
+    assert ctrl.target["plain"].count(8) == PLAIN_FIRST
+    assert plain_steps == PLAIN_FIRST + 1  # the first followed speculative steps: no sample
+    assert all(a == arm for a in arms)

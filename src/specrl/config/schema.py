@@ -208,7 +208,7 @@ class SpeculationConfig:
         0.1, "Gate: off below expected speedup 1, on again above 1 + h.", ge=0, le=10
     )
     probe: float = doc(
-        0.05, "Share of decode steps that probe the other side of the gate.", ge=0, le=1
+        0.02, "Share of decode steps that probe the other side of the gate.", ge=0, le=1
     )
     alarm_window: int = doc(32, "Drafts per window of the stale-draft alarm.", ge=1, le=1_000_000)
     alarm_tau: float = doc(1.05, "τ at or below which an alarm window warns.", ge=0, le=65)

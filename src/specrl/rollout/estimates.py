@@ -84,8 +84,17 @@ class CostCurve:
         self._buckets: dict[int, list[float]] = {}  # bucket → [count, x̄, t̄]
         self._points: list[tuple[float, float]] | None = None  # cache of :attr:`points`
 
+    @staticmethod
+    def _bucket(x: float) -> int:
+        return round(2 * math.log2(max(x, 1.0)))
+
+    def count(self, x: float) -> int:
+        """Observations in the bucket of size ``x``."""
+        b = self._buckets.get(self._bucket(x))
+        return 0 if b is None else int(b[0])
+
     def observe(self, x: float, seconds: float) -> None:
-        b = self._buckets.setdefault(round(2 * math.log2(max(x, 1.0))), [0, 0.0, 0.0])
+        b = self._buckets.setdefault(self._bucket(x), [0, 0.0, 0.0])
         b[0] += 1
         w = max(1.0 / b[0], self.rate)
         b[1] += (x - b[1]) * w

@@ -33,6 +33,7 @@ from specrl.rollout.bandit import EpsilonGreedy
 from specrl.rollout.estimates import ChainAcceptance, CostCurve
 
 MODES = ("plain", "coupled", "decoupled")
+PLAIN_FIRST = 3  # plain steps measured at a batch size before speculating there
 
 
 class Arm(NamedTuple):
@@ -107,7 +108,10 @@ class SpecController:
     on, one step runs plain.  A batch at least twice as wide as any that drafted so far is
     probed whole at once where it might pay: one sequence cannot tell what eight cost (a
     drafter's cost is mostly per pass, not per row) and the conservative extrapolation from it
-    would keep the gate off.  A cold engine measures one plain step, then probes a slice.
+    would keep the gate off.  A cold engine measures one plain step, then probes a slice; and
+    the gate speculates (or probes) a whole batch only once :data:`PLAIN_FIRST` plain steps of
+    about that size were measured (plain costs nothing against plain, and an S priced against one
+    extrapolated or noisy plain step would turn the gate on where it loses).
     """
 
     def __init__(
@@ -138,6 +142,8 @@ class SpecController:
         self._spacing = 1.0 / config.probe if config.probe > 0 else math.inf
         self._forced: bool | None = None
         self._last_batch = 1
+        self._last_mode = "plain"  # of the last step recorded
+        self._plain_left = 0  # plain steps still due (a gate-on probe runs two)
         self.widest = 0  # most sequences that drafted in one step so far
         self._measured = 0  # speculative measurements: the prices change only with them
         self._prices: tuple[Any, ...] = (None,)  # (key, rates, probe price, its arm or None)
@@ -164,19 +170,25 @@ class SpecController:
             return self._draft(b, b, [a for a in self.arms if a.k == k]) if k else self._plain()
         if self._forced or not self.config.gate:
             return self._draft(b, b, self.arms)
+        if self._plain_left:
+            self._plain_left -= 1
+            return self._plain()
         if not self.target["plain"].observations:
             return self._plain()  # a plain step first: the baseline
         if not (self.target["coupled"].observations or self.target["decoupled"].observations):
             return self._probe(b)
         rates, price, hopeful = self._priced(b)
         on = self.gate.decide(b, self._speedup(b, rates))
-        self.counts["since_probe"] += 1
         early = not on and hopeful is not None and b >= 2 * self.widest
+        if (on or early) and self.target["plain"].count(b) < PLAIN_FIRST:
+            return self._plain()  # the baseline at this size first: free, and S is trusted
+        self.counts["since_probe"] += 1
         if not early and self.counts["since_probe"] < self._spacing * (1.0 if on else price):
             return self._draft(b, b, self.arms, rates) if on else self._plain()
         self.counts["since_probe"] = 0
-        if on:
+        if on:  # two plain steps: the first pays the draft's cache footprint, unrecorded
             self.counts["probe_steps"] += 1
+            self._plain_left = 1
             return self._plain()
         return self._draft(b, b, [hopeful], rates, probe=True) if hopeful else self._probe(b)
 
@@ -252,8 +264,12 @@ class SpecController:
     # ------------------------------------------------------------------ learning
     def record_step(self, rows: int, seconds: float | None, mode: str) -> None:
         """Target seconds of one decode step of ``mode`` (:data:`MODES`; prefill and drafting
-        taken out; None: no sample, e.g. it compiled a graph) that computed ``rows`` rows."""
-        if seconds is not None:
+        taken out; None: no sample, e.g. it compiled a graph) that computed ``rows`` rows.  A
+        plain step right after a speculative one is not a sample: it runs with the draft's
+        weights in the caches (measured 1.3–2.5× a plain step of a plain run on toy-small),
+        which is not what decoding plainly would cost."""
+        after_plain, self._last_mode = self._last_mode == "plain", mode
+        if seconds is not None and (mode != "plain" or after_plain):
             self.target[mode].observe(rows, seconds)
             self._measured += mode != "plain"
 
