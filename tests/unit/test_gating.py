@@ -20,7 +20,7 @@ from specrl.models.presets import preset_config
 from specrl.rollout import Request, RolloutEngine, SamplingParams, SpecConfig
 from specrl.rollout.bandit import EpsilonGreedy, RunningMean
 from specrl.rollout.estimates import ChainAcceptance, CostCurve
-from specrl.rollout.gating import PLAIN_FIRST, Arm, SpecController, SpeculationGate
+from specrl.rollout.gating import Arm, SpecController, SpeculationGate
 from specrl.rollout.proposers import Draft, ProposerBase, register_proposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -480,10 +480,10 @@ def test_a_plain_step_right_after_a_speculative_one_is_not_a_sample():
 
 def test_the_gate_measures_plain_at_a_batch_size_before_it_speculates_there():
     """Speculation pays at batch 1 (measured); at an unmeasured batch size 8 the gate first
-    decodes plainly until PLAIN_FIRST plain steps of that size are samples."""
+    decodes plainly until plain steps of that size are samples, then speculates there."""
     ctrl = SpecController(SpecConfig(["p"], max_k=2, draft_lengths=[2], probe=0.0), ["p"])
     arm = Arm("p", 2)
-    for _ in range(PLAIN_FIRST):
+    for _ in range(4):
         ctrl.record_step(1, 10e-3, "plain")
     for _ in range(20):
         ctrl.record_step(3, 10e-3, "coupled")
@@ -493,8 +493,8 @@ def test_the_gate_measures_plain_at_a_batch_size_before_it_speculates_there():
     plain_steps = 0
     while (arms := ctrl.plan(8)) is None:
         plain_steps += 1
-        assert plain_steps <= PLAIN_FIRST + 1
+        assert plain_steps <= 10
         ctrl.record_step(8, 11e-3, "plain")
-    assert ctrl.target["plain"].count(8) == PLAIN_FIRST
-    assert plain_steps == PLAIN_FIRST + 1  # the first followed speculative steps: no sample
+    # the first plain step followed speculative ones (no sample); the others were samples
+    assert plain_steps >= 2 and ctrl.target["plain"].count(8) == plain_steps - 1
     assert all(a == arm for a in arms)
