@@ -185,3 +185,21 @@ def test_a_child_that_cannot_build_its_proposer_is_a_clear_error(tmp_path):
     spec = process_spec(("eagle3",), proposer_options={"eagle3": {"path": str(tmp_path)}})
     with pytest.raises(CheckpointError, match="draft"):
         make_engine(make_pair()[0], max_batch_size=1, spec=spec)
+
+
+def test_calls_queued_while_drafting_is_off_stay_bounded_and_in_order():
+    """A gate that keeps drafting off sends the child no request; the queued lifecycle and
+    observe calls go unanswered in bounded batches, and drafting later picks up exactly."""
+    from specrl.rollout.drafter_process import FLUSH_EVERY
+
+    model = tiny()
+    spec = process_spec(("ngram",))
+    engine = make_engine(model, max_batch_size=3, spec=spec)
+    (child,) = children(engine)
+    engine.drafting.controller.force(False)
+    engine.generate([Request(p, greedy(40)) for p in PROMPTS])  # > FLUSH_EVERY plain steps
+    assert len(child._outbox) < FLUSH_EVERY
+    engine.drafting.controller.force(True)
+    out = engine.generate([Request(p, greedy(24)) for p in PROMPTS])
+    assert [r.tokens for r in out] == generate(model, PROMPTS, 24)
+    assert engine.stats()["decoupled"]["launched"] > 0

@@ -8,7 +8,8 @@ hosts a proposer in a spawned child process with its own intra-op threads and sp
 :class:`~specrl.rollout.proposers.Proposer` protocol to it over a pipe:
 
 - ``reset``, ``release``, ``move`` and ``observe`` are queued and travel with the next call
-  that needs an answer (one message per decode step in the steady state);
+  that needs an answer (one message per decode step in the steady state), or unanswered once
+  :data:`FLUSH_EVERY` are waiting (a gate that keeps drafting off sends no requests);
 - ``propose``, ``propose_ahead``, ``backlog``, ``stats`` and the state and weight calls are
   request/response.  The drafter thread that runs ``propose_ahead`` blocks on the pipe without
   the interpreter lock, so the child drafts while the verifier runs.
@@ -64,6 +65,7 @@ from specrl.rollout.types import Draft, SeqState
 __all__ = ["ProcessProposer", "spawn_proposer"]
 
 STARTUP_TIMEOUT = 120.0  # seconds a child may take to import torch and build its proposer
+FLUSH_EVERY = 64  # queued calls sent unanswered once this many are waiting
 
 
 def spawn_proposer(
@@ -136,15 +138,15 @@ class ProcessProposer(ProposerBase):
     # ------------------------------------------------------------------ the protocol
     def reset(self, seq: SeqState) -> None:
         self._sent[seq.seq_id] = len(seq.tokens)
-        self._outbox.append(("reset", _full(seq)))
+        self._queue(("reset", _full(seq)))
 
     def release(self, seq: SeqState) -> None:
-        self._outbox.append(("release", self._sync([seq])))
+        self._queue(("release", self._sync([seq])))
         self._sent.pop(seq.seq_id, None)
 
     def move(self, moves: list[tuple[SeqState, int]]) -> None:
         seqs = [s for s, _ in moves]
-        self._outbox.append(("move", self._sync(seqs), [slot for _, slot in moves]))
+        self._queue(("move", self._sync(seqs), [slot for _, slot in moves]))
 
     def observe(
         self,
@@ -154,7 +156,7 @@ class ProcessProposer(ProposerBase):
         committed: list[int],
     ) -> None:
         arrays = None if taps is None else {k: _array(v) for k, v in taps.items()}
-        self._outbox.append(("observe", self._sync(batch), list(accepted), arrays, committed))
+        self._queue(("observe", self._sync(batch), list(accepted), arrays, committed))
 
     def propose(self, batch: list[SeqState], ks: list[int]) -> list[Draft]:
         return [_draft(d) for d in self._call("propose", self._sync(batch), list(ks))]
@@ -190,6 +192,16 @@ class ProcessProposer(ProposerBase):
         self._finalizer()
 
     # ------------------------------------------------------------------ the pipe
+    def _queue(self, msg: tuple) -> None:
+        """Queue a call that needs no answer; a long queue (the gate kept drafting off for
+        many steps) goes to the child unanswered, so it never grows without bound."""
+        self._outbox.append(msg)
+        if len(self._outbox) >= FLUSH_EVERY and self.broken is None:
+            with self._lock:
+                msgs, self._outbox = [*self._outbox, ("flush",)], []
+                with contextlib.suppress(OSError, ValueError):  # gone: the next call says so
+                    self._conn.send(msgs)
+
     def _sync(self, seqs: list[SeqState], extra: list[int] | None = None) -> list[tuple]:
         """Per sequence what changed since the child last saw it: (seq_id, slot, kv_len,
         finish_reason, first new token's index, the new tokens); ``extra[b]``: tokens at the
@@ -335,7 +347,8 @@ def _child_main(conn, name, options, module, fields, target, threads) -> None:
         if msgs is None:
             return
         value = None
-        for op, *args in msgs:
+        answer = msgs[-1][0] != "flush"  # a flush of queued calls is not answered
+        for op, *args in msgs[: None if answer else -1]:
             if failed is not None:
                 break
             try:
@@ -344,6 +357,8 @@ def _child_main(conn, name, options, module, fields, target, threads) -> None:
             except Exception as exc:
                 failed = exc
         graphs = proposer.compiled_graphs
+        if not answer:
+            continue
         if failed is not None:
             conn.send(("err", _exc_wire(failed), graphs))
             failed = None

@@ -319,6 +319,8 @@ class SpecController:
             "selections": dict(self.selections),
             "widest": self.widest,
             "measured": self._measured,
+            "last_mode": self._last_mode,
+            "plain_left": self._plain_left,
             # the cached pricing (plain steps do not refresh it): a resumed run probes alike
             "priced": None if self._prices[0] is None else [*self._prices[0], *self._prices[2:]],
         }
@@ -344,6 +346,8 @@ class SpecController:
             self.bandit.load_state_dict(state["bandit"])
         self.counts.update(state["counts"])
         self.widest = int(state["widest"])
+        self._last_mode = str(state.get("last_mode", "plain"))  # absent in older states
+        self._plain_left = int(state.get("plain_left", 0))
         self._measured, self._prices = int(state["measured"]), (None,)
         if state["priced"] is not None:
             b, _, price, arm = state["priced"]
