@@ -14,12 +14,14 @@ size B (concurrent requests), every variant decodes the same prompts with the sa
   :mod:`specrl.rollout.compiled`; EAGLE-3's drafting passes too), compiled before the warm-up
   runs;
 - with ``--decoupled``, also ``specrl decoupled best-of-N``: best-of-N with decoupled drafting
-  (:mod:`specrl.rollout.decoupled`: a drafter thread drafts step t + 1 while the target verifies
-  step t).  It needs ``--clock wall`` (its drafting runs on another thread, which a thread CPU
-  clock would not count).  With ``--threads N ≥ 2`` every other variant decodes with N torch
-  threads and the decoupled one with N − 1 for the target and 1 for the drafter (plain decoding
-  gets all the cores the decoupled engine uses); with ``--threads 1`` the decoupled engine has
-  its drafter thread on top (one core more than the others: say so with the figures);
+  (:mod:`specrl.rollout.decoupled`: a drafter — ``--drafter thread`` or ``process`` — drafts
+  step t + 1 while the target verifies step t).  It needs ``--clock wall`` (its drafting runs
+  elsewhere, which a thread CPU clock would not count).  With ``--threads N ≥ 2`` every other
+  variant decodes with N torch threads and the decoupled one with N − 1 for the target and 1 for
+  the drafter (a drafter process's engine lends it the one thread in decoupled steps only and
+  decodes other steps with all N: plain decoding gets all the cores the decoupled engine uses);
+  with ``--threads 1`` the decoupled engine has its drafter on top (one core more than the
+  others: say so with the figures);
 - ``hf plain``: ``model.generate`` (greedy, or ``do_sample`` at T = 1 with top-k/top-p off);
 - ``hf prompt lookup``: assisted generation with ``prompt_lookup_num_tokens``; ``transformers``
   allows it at batch size 1 only ("assisted generate is only supported for batch_size = 1"), so
@@ -212,8 +214,11 @@ def run_variant(
         return setup.hf.generate(
             prompts, batch, setup.greedy, setup.max_tokens, seed, lookup=setup.lookup
         )
-    # the decoupled engine's drafter thread takes one of the cores (it sets its own threads)
-    torch.set_num_threads(max(setup.threads - 1, 1) if name == DECOUPLED else setup.threads)
+    # a drafter thread takes one of the cores (it sets its own threads); a drafter process's
+    # engine lends it one of its threads itself, in decoupled steps only
+    spec = setup.specs.get(name)
+    lend = name == DECOUPLED and spec is not None and spec.drafter == "thread"
+    torch.set_num_threads(max(setup.threads - 1, 1) if lend else setup.threads)
     temperature = 0.0 if setup.greedy else 1.0
     reqs = [
         Request(p, SamplingParams(setup.max_tokens, temperature, seed=seed * 1000 + i))
@@ -437,7 +442,13 @@ def main() -> None:
         "drafter": args.drafter if args.decoupled else None,
         "threads": {
             "plain, serial, hf": args.threads,
-            "decoupled": {"target": max(args.threads - 1, 1), "drafter": 1},
+            "decoupled": {
+                "target": max(args.threads - 1, 1),
+                "drafter": 1,
+                "target in plain and coupled steps": args.threads
+                if args.drafter == "process"
+                else max(args.threads - 1, 1),
+            },
         },
         "prompt_lookup_num_tokens": args.lookup,
         "transformers": transformers.__version__,

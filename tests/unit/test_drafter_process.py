@@ -203,3 +203,21 @@ def test_calls_queued_while_drafting_is_off_stay_bounded_and_in_order():
     out = engine.generate([Request(p, greedy(24)) for p in PROMPTS])
     assert [r.tokens for r in out] == generate(model, PROMPTS, 24)
     assert engine.stats()["decoupled"]["launched"] > 0
+
+
+def test_a_drafter_process_gets_a_thread_in_decoupled_steps_only():
+    """Decoupled steps run the target on the engine's threads less the drafter's; any other
+    step, and the caller after ``generate``, has them all."""
+    seen = []
+    engine = make_engine(tiny(), max_batch_size=2, spec=process_spec(("ngram",)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        real = engine._run
+        engine._run = lambda launch: (seen.append(torch.get_num_threads()), real(launch))[1]
+        engine.generate([Request(p, greedy(16)) for p in PROMPTS[:2]])
+        assert torch.get_num_threads() == 2
+        assert engine.stats()["decoupled"]["launched"] > 0
+        assert 1 in seen and 2 in seen  # decoupled steps: 1; prefill and plain steps: 2
+    finally:
+        torch.set_num_threads(before)

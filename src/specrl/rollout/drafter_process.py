@@ -59,7 +59,13 @@ from specrl import errors
 from specrl.errors import ConfigError
 from specrl.rollout.decoupled import DrafterError
 from specrl.rollout.metrics import SpecStats
-from specrl.rollout.proposers import ProposerBase, ProposerContext, build_proposer, proposer_module
+from specrl.rollout.proposers import (
+    ProposerBase,
+    ProposerContext,
+    SupportsWeights,
+    build_proposer,
+    proposer_module,
+)
 from specrl.rollout.types import Draft, SeqState
 
 __all__ = ["ProcessProposer", "spawn_proposer"]
@@ -331,7 +337,7 @@ def _child_main(conn, name, options, module, fields, target, threads) -> None:
         info = {
             "tap_layers": list(proposer.tap_layers),
             "ahead_safe": bool(proposer.ahead_safe),
-            "weights": callable(getattr(proposer, "load_weights", None)),
+            "weights": isinstance(proposer, SupportsWeights),
             "pid": os.getpid(),
         }
         conn.send(("ok", info, graphs))
@@ -353,7 +359,7 @@ def _child_main(conn, name, options, module, fields, target, threads) -> None:
                 break
             try:
                 with torch.no_grad():
-                    value = getattr(host, op)(*args)
+                    value = _OPS[op](host, *args)
             except Exception as exc:
                 failed = exc
         graphs = proposer.compiled_graphs
@@ -448,3 +454,20 @@ class _Host:
 
     def load_weights(self, state) -> None:
         self.proposer.load_weights({k: _tensor(v) for k, v in state.items()})
+
+
+# the calls the engine process may make, by name (nothing else is reachable from the pipe)
+_OPS = {
+    "reset": _Host.reset,
+    "release": _Host.release,
+    "move": _Host.move,
+    "observe": _Host.observe,
+    "propose": _Host.propose,
+    "ahead": _Host.ahead,
+    "backlog": _Host.backlog,
+    "stats": _Host.stats,
+    "state_dict": _Host.state_dict,
+    "load_state_dict": _Host.load_state_dict,
+    "check_weights": _Host.check_weights,
+    "load_weights": _Host.load_weights,
+}

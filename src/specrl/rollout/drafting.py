@@ -66,6 +66,9 @@ class Drafting:
         self.alarm = AcceptanceAlarm(spec.alarm_window, spec.alarm_tau)
         self.lookahead: Lookahead | None = None
         self._waited = 0.0  # seconds the last collect waited for the worker
+        # a drafter process takes drafter_threads of the engine's cores in decoupled steps only
+        self._lent: int | None = None  # the engine's thread count while some are lent
+        self._process = process
         if spec.decoupled and self.proposers:
             try:
                 worker = DraftWorker(
@@ -100,6 +103,8 @@ class Drafting:
         """Decoupled drafting off for good: the lookahead's worker stopped, and proposers
         that lived in drafter processes rebuilt in this one (fresh: the engine fails the
         requests it holds)."""
+        self.restore_cores()
+        self._process = False
         if self.lookahead is not None:
             self.lookahead.abandon()
             self.lookahead.worker.close()
@@ -208,9 +213,11 @@ class Drafting:
         "decoupled", hand the worker the step's sequences with their drafts assumed accepted,
         each asking its arm's k for the next step within ``max_tokens``."""
         arm = next((a for a in decode.arms if a is not None), None)  # one arm per step
+        ahead = arm is not None and arm.ahead and self.lookahead is not None
+        self._share_cores(ahead)
         if arm is None:
             return None
-        if not arm.ahead or self.lookahead is None:
+        if not ahead:
             return "coupled"
         mode = "decoupled"
         names: list[str | None] = []
@@ -222,6 +229,24 @@ class Drafting:
             ks.append(max(k, 0))
         self.lookahead.launch(self.proposers, decode.seqs, names, decode.drafts, ks)
         return mode
+
+    def _share_cores(self, ahead: bool) -> None:
+        """With a drafter process, a decoupled step runs the target on the engine's torch
+        threads less the drafter's (the drafter drafts on them meanwhile); plain and coupled
+        steps, where the drafter is idle or waited for, use them all."""
+        if not self._process or ahead == (self._lent is not None):
+            return
+        if ahead:
+            self._lent = torch.get_num_threads()
+            torch.set_num_threads(max(1, self._lent - (self._spec.drafter_threads or 1)))
+        else:
+            self.restore_cores()
+
+    def restore_cores(self) -> None:
+        """The engine's torch threads back in full (the end of a ``generate`` call)."""
+        if self._lent is not None:
+            torch.set_num_threads(self._lent)
+            self._lent = None
 
     def collect(self) -> float:
         """Wait for the worker's ahead drafts (before proposers observe the step); returns the

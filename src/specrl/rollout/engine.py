@@ -245,6 +245,7 @@ class RolloutEngine:
                     progress(done, len(seqs))
         finally:
             self.counters.end_call()
+            self.drafting.restore_cores()
         return Results([r for r in results if r is not None], call.to_dict())
 
     # ---------------------------------------------------------------------- one step
