@@ -49,6 +49,11 @@ def test_rollout_benchmark_decoupled_variant(tiny_pair, tmp_path):
     body = json.loads(out.read_text())
     rows = {(r["batch"], r["variant"]): r for r in body["rows"]}
     assert all(rows[b, "specrl decoupled best-of-N"]["tok_s"] > 0 for b in (1, 8))
-    assert body["config"]["threads"]["decoupled"] == {"target": 1, "drafter": 1}
+    assert body["config"]["drafter"] == "process"  # the default: its own process on CPU
+    assert body["config"]["threads"]["decoupled"] == {
+        "target": 1,
+        "drafter": 1,
+        "target in plain and coupled steps": 1,
+    }
     names = {t["target"] for t in body["targets"]}
     assert {"decoupled / serial best-of-N at B=1", "decoupled best-of-N / plain at B=8"} <= names
