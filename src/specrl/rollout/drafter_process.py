@@ -68,7 +68,7 @@ from specrl.rollout.proposers import (
 )
 from specrl.rollout.types import Draft, SeqState
 
-__all__ = ["ProcessProposer", "spawn_proposer"]
+__all__ = ["ProcessProposer", "ThreadLender", "spawn_proposer"]
 
 STARTUP_TIMEOUT = 120.0  # seconds a child may take to import torch and build its proposer
 FLUSH_EVERY = 64  # queued calls sent unanswered once this many are waiting
@@ -93,6 +93,32 @@ def spawn_proposer(
     if proxy.info["weights"]:
         proxy.__class__ = _WeightedProcessProposer
     return proxy
+
+
+class ThreadLender:
+    """The engine thread's torch threads, less the drafter process's while a decoupled step
+    runs (the drafter drafts on them meanwhile); plain and coupled steps, where the drafter is
+    idle or waited for, use them all.  ``enabled`` False: never lends."""
+
+    def __init__(self, threads: int, *, enabled: bool) -> None:
+        self.threads, self.enabled = threads, enabled
+        self._full: int | None = None  # the engine's thread count while some are lent
+
+    def lend(self, ahead: bool) -> None:
+        """Before a decode step: lend for a decoupled one (``ahead``), else take them back."""
+        if not self.enabled or ahead == (self._full is not None):
+            return
+        if ahead:
+            self._full = torch.get_num_threads()
+            torch.set_num_threads(max(1, self._full - self.threads))
+        else:
+            self.restore()
+
+    def restore(self) -> None:
+        """All the threads back (the end of a ``generate`` call)."""
+        if self._full is not None:
+            torch.set_num_threads(self._full)
+            self._full = None
 
 
 class ProcessProposer(ProposerBase):

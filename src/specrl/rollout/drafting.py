@@ -29,7 +29,7 @@ from specrl.config.schema import SpeculationConfig
 from specrl.errors import ConfigError
 from specrl.rollout.batch import Launch, checked_draft
 from specrl.rollout.decoupled import DrafterError, DraftWorker, Lookahead, supports_ahead
-from specrl.rollout.drafter_process import ProcessProposer, spawn_proposer
+from specrl.rollout.drafter_process import ProcessProposer, ThreadLender, spawn_proposer
 from specrl.rollout.gating import Arm, SpecController
 from specrl.rollout.metrics import AcceptanceAlarm, Counters
 from specrl.rollout.proposers import Proposer, ProposerContext, SupportsWeights, build_proposer
@@ -60,15 +60,14 @@ class Drafting:
             raise ConfigError(f"drafter must be thread or process, got {spec.drafter!r}")
         process = bool(spec.decoupled) and spec.drafter == "process"
         self.proposers: dict[str, Proposer] = {
-            name: self._build(name, process=process) for name in spec.proposers
+            name: _build(spec, ctx, name, process=process) for name in spec.proposers
         }
         self.tap_layers = tuple(sorted({t for p in self.proposers.values() for t in p.tap_layers}))
         self.alarm = AcceptanceAlarm(spec.alarm_window, spec.alarm_tau)
         self.lookahead: Lookahead | None = None
         self._waited = 0.0  # seconds the last collect waited for the worker
         # a drafter process takes drafter_threads of the engine's cores in decoupled steps only
-        self._lent: int | None = None  # the engine's thread count while some are lent
-        self._process = process
+        self.cores = ThreadLender(spec.drafter_threads or 1, enabled=process)
         if spec.decoupled and self.proposers:
             try:
                 worker = DraftWorker(
@@ -86,25 +85,12 @@ class Drafting:
             spec, list(self.proposers), seed=ctx.seed, padded=padded, ahead=ahead
         )
 
-    def _build(self, name: str, *, process: bool) -> Proposer:
-        """Proposer ``name`` in this process, or in a drafter process of its own."""
-        options = dict(self._spec.proposer_options.get(name, {}))
-        if not process:
-            return build_proposer(name, self._ctx, **options)
-        return spawn_proposer(
-            name,
-            self._ctx,
-            options,
-            threads=self._spec.drafter_threads,
-            timeout=self._spec.drafter_timeout,
-        )
-
     def _drafter_failed(self) -> None:
         """Decoupled drafting off for good: the lookahead's worker stopped, and proposers
         that lived in drafter processes rebuilt in this one (fresh: the engine fails the
         requests it holds)."""
-        self.restore_cores()
-        self._process = False
+        self.cores.restore()
+        self.cores.enabled = False
         if self.lookahead is not None:
             self.lookahead.abandon()
             self.lookahead.worker.close()
@@ -113,7 +99,7 @@ class Drafting:
         for name, p in list(self.proposers.items()):
             if isinstance(p, ProcessProposer):
                 p.close()
-                self.proposers[name] = self._build(name, process=False)
+                self.proposers[name] = _build(self._spec, self._ctx, name, process=False)
 
     # ---------------------------------------------------------------------- per sequence
     def reset(self, seqs: Sequence[SeqState]) -> None:
@@ -214,7 +200,7 @@ class Drafting:
         each asking its arm's k for the next step within ``max_tokens``."""
         arm = next((a for a in decode.arms if a is not None), None)  # one arm per step
         ahead = arm is not None and arm.ahead and self.lookahead is not None
-        self._share_cores(ahead)
+        self.cores.lend(ahead)
         if arm is None:
             return None
         if not ahead:
@@ -229,24 +215,6 @@ class Drafting:
             ks.append(max(k, 0))
         self.lookahead.launch(self.proposers, decode.seqs, names, decode.drafts, ks)
         return mode
-
-    def _share_cores(self, ahead: bool) -> None:
-        """With a drafter process, a decoupled step runs the target on the engine's torch
-        threads less the drafter's (the drafter drafts on them meanwhile); plain and coupled
-        steps, where the drafter is idle or waited for, use them all."""
-        if not self._process or ahead == (self._lent is not None):
-            return
-        if ahead:
-            self._lent = torch.get_num_threads()
-            torch.set_num_threads(max(1, self._lent - (self._spec.drafter_threads or 1)))
-        else:
-            self.restore_cores()
-
-    def restore_cores(self) -> None:
-        """The engine's torch threads back in full (the end of a ``generate`` call)."""
-        if self._lent is not None:
-            torch.set_num_threads(self._lent)
-            self._lent = None
 
     def collect(self) -> float:
         """Wait for the worker's ahead drafts (before proposers observe the step); returns the
@@ -330,18 +298,13 @@ class Drafting:
     def compiled_graphs(self) -> int:
         return sum(p.compiled_graphs for p in self.proposers.values())
 
-    @property
-    def weighted(self) -> dict[str, Proposer]:
-        """The proposers with draft weights (:class:`~specrl.rollout.proposers.SupportsWeights`)."""
-        return {n: p for n, p in self.proposers.items() if isinstance(p, SupportsWeights)}
-
     def check_weights(self, draft: Mapping[str, torch.Tensor]) -> None:
-        for p in self.weighted.values():
-            p.check_weights(draft)  # type: ignore[attr-defined]
+        for p in _weighted(self.proposers):
+            p.check_weights(draft)
 
     def load_weights(self, draft: Mapping[str, torch.Tensor]) -> None:
-        for p in self.weighted.values():
-            p.load_weights(draft)  # type: ignore[attr-defined]
+        for p in _weighted(self.proposers):
+            p.load_weights(draft)
 
     def stats(self) -> dict[str, Any]:
         la = self.lookahead
@@ -374,3 +337,18 @@ class Drafting:
         self.alarm.load_state_dict(state["alarm"])
         for name, saved in state["proposers"].items():
             self.proposers[name].load_state_dict(saved)
+
+
+def _build(spec: SpeculationConfig, ctx: ProposerContext, name: str, *, process: bool) -> Proposer:
+    """Proposer ``name`` in this process, or in a drafter process of its own."""
+    options = dict(spec.proposer_options.get(name, {}))
+    if not process:
+        return build_proposer(name, ctx, **options)
+    return spawn_proposer(
+        name, ctx, options, threads=spec.drafter_threads, timeout=spec.drafter_timeout
+    )
+
+
+def _weighted(proposers: Mapping[str, Proposer]) -> list[Any]:
+    """The proposers with draft weights (:class:`~specrl.rollout.proposers.SupportsWeights`)."""
+    return [p for p in proposers.values() if isinstance(p, SupportsWeights)]

@@ -76,7 +76,7 @@ from specrl.rollout.compiled import CHECK_EVERY, Compiled, CompiledDecode
 from specrl.rollout.decoupled import DrafterError
 from specrl.rollout.drafting import Drafting
 from specrl.rollout.metrics import EngineCounters
-from specrl.rollout.proposers import ProposerContext
+from specrl.rollout.proposers import ProposerContext, SupportsWeights
 from specrl.rollout.sampling import SamplingParams, sampling_probs
 from specrl.rollout.scheduler import Scheduler
 from specrl.rollout.types import Request, Result, Results
@@ -245,7 +245,7 @@ class RolloutEngine:
                     progress(done, len(seqs))
         finally:
             self.counters.end_call()
-            self.drafting.restore_cores()
+            self.drafting.cores.restore()
         return Results([r for r in results if r is not None], call.to_dict())
 
     # ---------------------------------------------------------------------- one step
@@ -434,7 +434,7 @@ class RolloutEngine:
     @property
     def takes_draft_weights(self) -> bool:
         """Whether some proposer of this engine loads draft weights (:meth:`update_weights`)."""
-        return bool(self.drafting.weighted)
+        return any(isinstance(p, SupportsWeights) for p in self.drafting.proposers.values())
 
     def update_weights(
         self,
@@ -473,7 +473,8 @@ class RolloutEngine:
         if draft is not None:
             self.drafting.load_weights(draft)
             self.draft_version = version if version is not None else self.draft_version + 1
-        self.drafting.alarm.arm(list(self.drafting.weighted), self.policy_version)
+        weighted = [n for n, p in self.drafting.proposers.items() if isinstance(p, SupportsWeights)]
+        self.drafting.alarm.arm(weighted, self.policy_version)
 
     def stats(self) -> dict[str, Any]:
         """Counters since construction (:class:`~specrl.rollout.metrics.Counters`; a
