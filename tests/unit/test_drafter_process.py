@@ -221,3 +221,8 @@ def test_a_drafter_process_gets_a_thread_in_decoupled_steps_only():
         assert 1 in seen and 2 in seen  # decoupled steps: 1; prefill and plain steps: 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_drafter_process_without_decoupled_drafting_is_refused():
+    with pytest.raises(ValueError, match="decoupled true or auto"):
+        SpecConfig(proposers=("ngram",), drafter="process")

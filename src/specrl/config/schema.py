@@ -258,6 +258,8 @@ class SpeculationConfig:
             )
         if self.drafter_timeout <= 0:
             raise ValueError(f"drafter_timeout must be > 0, got {self.drafter_timeout}")
+        if self.drafter == "process" and self.decoupled is False:
+            raise ValueError("drafter: process runs decoupled drafting: set decoupled true or auto")
 
 
 @dataclass
