@@ -426,7 +426,7 @@ def test_ceiling_pair_accepts_every_draft(tmp_path):
 def test_ngram_drafts_ahead_into_the_drafts_it_assumes():
     """On a shadow (the sequence with its drafts appended) n-gram's own-context match
     continues into the drafted tokens, as it would once they are accepted."""
-    from specrl.rollout.decoupled import _shadow
+    from specrl.rollout.decoupled import shadow as make_shadow
     from specrl.rollout.proposers.ngram import NgramProposer
     from specrl.rollout.types import SeqState
 
@@ -434,7 +434,7 @@ def test_ngram_drafts_ahead_into_the_drafts_it_assumes():
     seq = SeqState(0, "r", 0, [1, 2, 3, 1, 2, 3, 1], 2, greedy(), None)
     ngram.reset(seq)
     assert ngram.propose([seq], [3])[0].tokens == [2, 3, 1]
-    shadow = _shadow(seq, Draft([2, 3]), None)
+    shadow = make_shadow(seq, Draft([2, 3]), None)
     # the latest (2, 3) ends at 5: it continues with shadow[6:9] (the index alone has [1])
     assert ngram.propose([shadow], [4])[0].tokens == [1, 2, 3]
     assert seq.tokens == [1, 2, 3, 1, 2, 3, 1]  # the real sequence is untouched

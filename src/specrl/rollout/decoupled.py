@@ -206,7 +206,7 @@ def supports_ahead(proposer: Proposer) -> bool:
     return proposer.ahead_safe
 
 
-def _shadow(seq: SeqState, draft: Draft, generator: torch.Generator | None) -> SeqState:
+def shadow(seq: SeqState, draft: Draft, generator: torch.Generator | None) -> SeqState:
     """``seq`` as it would be with every token of ``draft`` accepted: its own token list and
     counters (the real ones are not touched), sampling with the worker's ``generator``."""
     return dataclasses.replace(
@@ -288,7 +288,7 @@ class Lookahead:
             batch = [seqs[b] for b in idx]
             dr = [drafts[b] for b in idx]
             want = [ks[b] + 1 for b in idx]  # the bonus guess, then the next draft
-            shadows = [_shadow(s, d, self._generator(s)) for s, d in zip(batch, dr, strict=True)]
+            shadows = [shadow(s, d, self._generator(s)) for s, d in zip(batch, dr, strict=True)]
             jobs.append((name, proposers[name], batch, shadows, dr, want))
         self.launched += sum(len(j[2]) for j in jobs)
         self._inflight = self.worker.submit(_draft_ahead, jobs)

@@ -57,7 +57,7 @@ import torch.multiprocessing  # its reductions share the target's storages with 
 
 from specrl import errors
 from specrl.errors import ConfigError
-from specrl.rollout.decoupled import DrafterError
+from specrl.rollout.decoupled import DrafterError, shadow
 from specrl.rollout.metrics import SpecStats
 from specrl.rollout.proposers import (
     ProposerBase,
@@ -455,11 +455,8 @@ class _Host:
         batch = self._apply(syncs)
         got = self.proposer.propose_ahead(batch, [Draft(d) for d in drafts], ks)
         if got is None:  # no chain of its own: draft on copies carrying the drafts
-            shadows = [
-                SeqState(s.seq_id, s.request_id, s.index, [*s.tokens, *d], s.prompt_len,
-                         s.params, s.generator, s.slot, s.kv_len)
-                for s, d in zip(batch, drafts, strict=True)
-            ]  # fmt: skip
+            pairs = zip(batch, drafts, strict=True)
+            shadows = [shadow(s, Draft(d), s.generator) for s, d in pairs]
             got = self.proposer.propose(shadows, ks)
         return [_wire(d) for d in got]
 
