@@ -1,24 +1,16 @@
 """When to speculate, how, with which drafter and how far: the engine's speculation policy.
 
-Speculation trades target compute for fewer sequential forwards.  A small batch leaves the
-target latency-bound (k + 1 tokens cost about as much as one), a large one compute-bound (about
-k + 1 times as much), so whether it pays depends on the batch size B.  Each decode step runs
-plain or with an :class:`Arm` — a proposer, a draft length k and a mode: *coupled* (draft, then
-verify) or *decoupled* (the drafter worker drafted this step while the target verified the
-previous one, :mod:`specrl.rollout.decoupled`).  Measured costs decide, deterministically given
-a seed and the step times the engine's clock measured:
-
-- :class:`~specrl.rollout.estimates.ChainAcceptance`: per proposer, the probability that draft
-  position j is accepted, giving tokens emitted τ̂(k) and fed f̂(k) for every k at once;
-- :class:`~specrl.rollout.estimates.CostCurve`: seconds by size — the target's plain, coupled
-  and decoupled steps by rows, each drafter's drafting by rows drafted (decoupled: only what
-  the target waited for);
-- :class:`SpeculationGate`: on/off per batch size with hysteresis; :class:`SpecController`
-  prices the arms, probes, and lets the bandit (:class:`~specrl.rollout.bandit.EpsilonGreedy`)
-  pick among them by the throughput each would give the whole batch.
-
-A static table (``k_by_batch_size``, k by batch size, 0 = plain) replaces gate and k choice
-where a deployment has measured its own break-even; the bandit then only picks the proposer.
+Speculation trades target compute for fewer sequential forwards: it pays at a small batch
+(latency-bound: k + 1 tokens cost about one) and not at a large one (compute-bound: about
+k + 1).  Each decode step runs plain or with an :class:`Arm` — proposer, draft length k, and
+mode *coupled* (draft, then verify) or *decoupled* (drafted during the previous verification,
+:mod:`specrl.rollout.decoupled`).  Measured costs decide, deterministically given a seed and
+the measured step times: :class:`~specrl.rollout.estimates.ChainAcceptance` (τ̂(k), f̂(k) per
+proposer), :class:`~specrl.rollout.estimates.CostCurve` (seconds by rows: the target's steps
+per mode, each drafter's drafting), :class:`SpeculationGate` (on/off per batch size) and the
+bandit (:class:`~specrl.rollout.bandit.EpsilonGreedy`, which arm).  A static table
+(``k_by_batch_size``, 0 = plain) replaces gate and k choice where a deployment measured its
+own break-even; the bandit then only picks the proposer.
 """
 
 from __future__ import annotations
@@ -37,8 +29,7 @@ PLAIN_FIRST = 3  # plain steps measured at a batch size before speculating there
 
 
 class Arm(NamedTuple):
-    """One choice of the bandit: draft with ``proposer``, at most ``k`` tokens; ``ahead``: the
-    drafter worker drafts it during the previous verification (decoupled)."""
+    """Draft with ``proposer``, at most ``k`` tokens; ``ahead``: decoupled."""
 
     proposer: str
     k: int
@@ -82,36 +73,31 @@ class SpeculationGate:
 
 def _predict(curves: Sequence[CostCurve], x: float, optimistic: bool) -> float:
     """The first measured curve's t(x); 0 if none is measured."""
-    curve = next((c for c in curves if c.observations), None)
-    return 0.0 if curve is None else curve.predict(x, optimistic) or 0.0
+    return next((c.predict(x, optimistic) or 0.0 for c in curves if c.observations), 0.0)
 
 
 class SpecController:
     """The engine's speculation policy: gate each decode step, pick its arm, learn.
 
-    A step of B sequences of which n draft with arm (p, k, mode) is predicted to take
-    t_mode(rows) + d_p,mode(n·k + n·τ̂·[p defers]) seconds, rows = B + n·(f̂ − 1) (B·(k + 1) when
-    the engine pads every sequence to the longest): t_mode the target's curve of that mode's
-    steps (decoupled steps share the cores with the worker), d the proposer's drafting curve
-    (an EAGLE-3 draft also catches up the τ̂ positions each sequence committed; decoupled: the
-    drafting the target waited for — the worker's lag and the redrafts after wrong guesses).
-    An unmeasured mode is priced as the next one measured (decoupled → coupled → plain).  An
-    arm's value is v = B·τ̂ / t(n = B), the expected speedup S(B) = max v · t_plain(B) / B,
-    priced conservatively (speculation dear, plain cheap where unmeasured): S < 1 at every
-    batch size where any mode loses to plain keeps that batch size plain.
+    A step of B sequences of which n draft with arm (p, k, mode) takes t_mode(rows) +
+    d_p(n·k + n·τ̂·[p defers]) seconds, rows = B + n·(f̂ − 1) (B·(k + 1) padded): t_mode the
+    target's curve of that mode (an unmeasured one priced as decoupled → coupled → plain), d_p
+    the drafting curve (EAGLE-3 also catches up the τ̂ committed positions; decoupled: only what
+    the target waited for).  An arm's value is v = B·τ̂ / t(n = B); the expected speedup
+    S(B) = max v · t_plain(B) / B is priced conservatively (speculation dear, plain cheap where
+    unmeasured), so a batch size where every arm loses stays plain.
 
-    Probes keep S measured, about a ``probe`` share of the time: while a batch size is off,
-    one step speculates — a slice of ⌈B/8⌉ sequences when even an optimistic S could not turn
-    the gate on (acceptance stays fresh, new weights may pay), else the whole batch with the arm
-    an optimistic pricing ranks first (the measurement lands where the upside is) — spaced by
-    its price, what it costs beyond the plain steps its tokens replace (≥ 1 plain step); while
-    on, one step runs plain.  A batch at least twice as wide as any that drafted so far is
-    probed whole at once where it might pay: one sequence cannot tell what eight cost (a
-    drafter's cost is mostly per pass, not per row) and the conservative extrapolation from it
-    would keep the gate off.  A cold engine measures one plain step, then probes a slice; and
-    the gate speculates (or probes) a whole batch only once :data:`PLAIN_FIRST` plain steps of
-    about that size were measured (plain costs nothing against plain, and an S priced against one
-    extrapolated or noisy plain step would turn the gate on where it loses).
+    Probes keep S measured, about a ``probe`` share of the time, spaced by their price (what a
+    probe costs beyond the plain steps its tokens replace, ≥ 1 plain step).  While off, one
+    step speculates: the whole batch with the arm an optimistic pricing ranks first where that
+    could turn the gate on, else a slice of ⌈B/8⌉ sequences (acceptance stays fresh, new
+    weights may pay).  While on, two steps run plain (the first, after speculative ones, runs
+    with the draft's weights in the caches and is no sample).  A batch twice as wide as any
+    that drafted yet is probed whole at once where it might pay: a drafter's cost is mostly per
+    pass, and extrapolating from one sequence would keep the gate off.  A batch size is
+    speculated only once :data:`PLAIN_FIRST` plain steps of it were measured: plain costs
+    nothing against plain, and S priced against one noisy plain step turns the gate on where
+    it loses.
     """
 
     def __init__(
@@ -123,8 +109,8 @@ class SpecController:
         padded: bool = False,
         ahead: Sequence[str] = (),
     ) -> None:
-        """``ahead``: the proposers the engine's drafter worker can draft ahead with (their
-        decoupled arms; ``config.decoupled`` true: those have no coupled ones)."""
+        """``ahead``: the proposers the drafter worker drafts ahead with (decoupled arms; with
+        ``config.decoupled`` true they have no coupled ones)."""
         ks = set(config.draft_lengths or range(1, config.max_k + 1))
         self._table = sorted((config.k_by_batch_size or {}).items())
         ks |= {k for _, k in self._table if k}
@@ -222,20 +208,16 @@ class SpecController:
 
     def _rates(self, b: int, optimistic: bool = False) -> dict[Arm, float]:
         """Each arm's value v (tokens per second of the whole batch, class docstring)."""
-        out = {}
-        for arm in self.arms:
-            seconds = self._seconds(arm, b, b, optimistic)
-            tokens = b * self.accept[arm.proposer].estimate(arm.k)[0]
-            out[arm] = tokens / seconds if seconds > 0 else math.inf
-        return out
+        seconds = {arm: self._seconds(arm, b, b, optimistic) for arm in self.arms}
+        tau = {arm: self.accept[arm.proposer].estimate(arm.k)[0] for arm in self.arms}
+        return {a: b * tau[a] / t if t > 0 else math.inf for a, t in seconds.items()}
 
     def _speedup(self, b: int, rates: Mapping[Arm, float], optimistic: bool = False) -> float:
         """S(B) = best arm's value · t_plain(B) / B (plain priced the other way round)."""
         return max(rates.values()) * _predict([self.target["plain"]], b, not optimistic) / b
 
     def _probe(self, b: int) -> list[Arm | None]:
-        """A slice probe: ⌈B/8⌉ sequences (rotating) draft with the bandit's arm, the others
-        plain."""
+        """A slice probe: ⌈B/8⌉ sequences (rotating) draft with the bandit's arm."""
         m = -(-b // 8)
         start = self.counts["spec_steps"] * m % b
         arms = self._draft(b, m, self.arms, probe=True)
@@ -263,11 +245,10 @@ class SpecController:
 
     # ------------------------------------------------------------------ learning
     def record_step(self, rows: int, seconds: float | None, mode: str) -> None:
-        """Target seconds of one decode step of ``mode`` (:data:`MODES`; prefill and drafting
-        taken out; None: no sample, e.g. it compiled a graph) that computed ``rows`` rows.  A
-        plain step right after a speculative one is not a sample: it runs with the draft's
-        weights in the caches (measured 1.3–2.5× a plain step of a plain run on toy-small),
-        which is not what decoding plainly would cost."""
+        """Target seconds of a decode step of ``mode`` over ``rows`` rows (prefill and drafting
+        taken out; None: no sample, e.g. it compiled a graph).  A plain step right after a
+        speculative one is no sample: the draft's weights are in the caches (1.3–2.5× a plain
+        run's step on toy-small)."""
         after_plain, self._last_mode = self._last_mode == "plain", mode
         if seconds is not None and (mode != "plain" or after_plain):
             self.target[mode].observe(rows, seconds)
@@ -276,9 +257,8 @@ class SpecController:
     def record_draft(
         self, proposer: str, rows: int, seconds: float, backlog: int = 0, ahead: bool = False
     ) -> None:
-        """A step's drafting with ``proposer``: ``rows`` tokens asked (Σ caps) after
-        ``backlog`` queued positions caught up, in ``seconds`` (``ahead``: decoupled, the
-        seconds the target waited for drafts)."""
+        """A step's drafting: ``rows`` tokens asked (Σ caps) after ``backlog`` queued positions
+        caught up, in ``seconds`` (``ahead``: the seconds the target waited for drafts)."""
         (self.exposed if ahead else self.drafting)[proposer].observe(rows + backlog, seconds)
         self.defers[proposer] |= backlog > 0
         self._measured += 1
@@ -290,10 +270,13 @@ class SpecController:
         self._measured += 1
 
     # ------------------------------------------------------------------ reporting, state
-    def to_dict(self) -> dict[str, Any]:
-        def points(curve: CostCurve) -> list[list[float]]:
-            return [[round(x, 3), t] for x, t in curve.points]
+    def _estimates(self) -> dict[str, Mapping[str, Any]]:
+        """The estimates by their key in :meth:`state_dict`."""
+        tables = (self.accept, self.target, self.drafting, self.exposed)
+        return dict(zip(("accept", "target", "drafting", "exposed"), tables, strict=True))
 
+    def to_dict(self) -> dict[str, Any]:
+        points = lambda c: [[round(x, 3), t] for x, t in c.points]
         return {
             "gate_on": self.gate.state(self._last_batch) if self.config.gate else True,
             "gate_on_batch_sizes": sorted(b for b, on in self.gate.states.items() if on),
@@ -307,10 +290,7 @@ class SpecController:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "accept": {p: a.state_dict() for p, a in self.accept.items()},
-            "target": {m: c.state_dict() for m, c in self.target.items()},
-            "drafting": {p: c.state_dict() for p, c in self.drafting.items()},
-            "exposed": {p: c.state_dict() for p, c in self.exposed.items()},
+            **{k: {n: e.state_dict() for n, e in d.items()} for k, d in self._estimates().items()},
             "defers": dict(self.defers),
             "gate": [[b, on] for b, on in self.gate.states.items()],
             "switches": self.gate.switches,
@@ -326,33 +306,24 @@ class SpecController:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """A state saved by an engine with the same proposers (others are ignored); one of
-        specrl 0.2's layout (two target curves) leaves the policy fresh."""
-        if isinstance(state["target"], list):
-            return
-        for p, a in self.accept.items():
-            if p in state["accept"]:
-                a.load_state_dict(state["accept"][p])
-                self.defers[p] = bool(state["defers"][p])
-        for curves, saved in ((self.drafting, state["drafting"]), (self.exposed, state["exposed"])):
-            for p, curve in saved.items():
-                if p in curves:
-                    curves[p].load_state_dict(curve)
-        for m, saved in state["target"].items():
-            self.target[m].load_state_dict(saved)
+        """A state saved by an engine with the same proposers (others are ignored)."""
+        for key, mine in self._estimates().items():
+            for name, saved in state[key].items():
+                if name in mine:
+                    mine[name].load_state_dict(saved)
+        self.defers.update({p: bool(d) for p, d in state["defers"].items() if p in self.defers})
         self.gate.states = {int(b): bool(on) for b, on in state["gate"]}
         self.gate.switches = int(state["switches"])
         if self.bandit is not None and state["bandit"] is not None:
             self.bandit.load_state_dict(state["bandit"])
         self.counts.update(state["counts"])
         self.widest = int(state["widest"])
-        self._last_mode = str(state.get("last_mode", "plain"))  # absent in older states
-        self._plain_left = int(state.get("plain_left", 0))
+        self._last_mode, self._plain_left = str(state["last_mode"]), int(state["plain_left"])
         self._measured, self._prices = int(state["measured"]), (None,)
         if state["priced"] is not None:
             b, _, price, arm = state["priced"]
             hopeful = None if arm is None else Arm(arm[0], int(arm[1]), bool(arm[2]))
             self._prices = ((b, self._measured), self._rates(b), price, hopeful)
         self.selections.update(
-            {k: v for k, v in state["selections"].items() if k in self.selections}
+            (k, v) for k, v in state["selections"].items() if k in self.selections
         )
