@@ -205,6 +205,46 @@ def test_calls_queued_while_drafting_is_off_stay_bounded_and_in_order():
     assert engine.stats()["decoupled"]["launched"] > 0
 
 
+def test_taps_queued_over_a_long_plain_stretch_reach_the_child_intact():
+    """EAGLE-3 drafts from every committed position's taps.  Kept plain for more than
+    FLUSH_EVERY steps (its taps sent batched, one array per layer), then drafting: the child's
+    drafts are the in-process drafter's, verification by verification (same accepted counts)."""
+    from specrl.rollout.drafter_process import FLUSH_EVERY
+
+    target, draft = make_pair()
+
+    def run(drafter: str) -> tuple[list, list]:
+        spec = SpecConfig(
+            proposers=("eagle3",), max_k=3, draft_lengths=(3,), gate=False, decoupled=True,
+            drafter=drafter, proposer_options={"eagle3": {"draft": draft}},
+        )  # fmt: skip
+        engine = make_engine(target, max_batch_size=3, spec=spec, max_model_len=256)
+        plan, record, steps = (
+            engine.drafting.controller.plan,
+            engine.counters.record_verification,
+            [0],
+        )
+        accepted = []
+
+        def planned(batch_size: int):  # plain for the first FLUSH_EVERY + 9 steps
+            steps[0] += 1
+            return plan(batch_size) if steps[0] > FLUSH_EVERY + 9 else None
+
+        def recorded(k: int, n_acc: int, *args) -> None:
+            accepted.append((k, n_acc))
+            record(k, n_acc, *args)
+
+        engine.drafting.controller.plan = planned
+        engine.counters.record_verification = recorded
+        out = engine.generate([Request(p, greedy(110)) for p in PROMPTS[:3]])
+        return [r.tokens for r in out], accepted
+
+    tokens, accepted = run("process")
+    assert (tokens, accepted) == run("thread")
+    assert tokens == generate(target, PROMPTS[:3], 110)
+    assert sum(k for k, _ in accepted) > 0 and sum(n for _, n in accepted) > 0
+
+
 def test_a_drafter_process_gets_a_thread_in_decoupled_steps_only():
     """Decoupled steps run the target on the engine's threads less the drafter's; any other
     step, and the caller after ``generate``, has them all."""
