@@ -21,7 +21,8 @@ from specrl.models.generate import generate
 from specrl.rollout import Request, SamplingParams, SpecConfig, decoupled
 from specrl.rollout.decoupled import DrafterError
 from specrl.rollout.drafter_process import ProcessProposer
-from specrl.rollout.proposers import register_proposer
+from specrl.rollout.proposers import ProposerBase, register_proposer
+from specrl.rollout.types import Draft
 from tests.unit.test_decoupled import _lossy_split, _pvalues
 from tests.unit.test_draft import make_pair
 from tests.unit.test_engine import PROMPTS, Garbage, make_engine, tiny
@@ -205,44 +206,80 @@ def test_calls_queued_while_drafting_is_off_stay_bounded_and_in_order():
     assert engine.stats()["decoupled"]["launched"] > 0
 
 
-def test_taps_queued_over_a_long_plain_stretch_reach_the_child_intact():
-    """EAGLE-3 drafts from every committed position's taps.  Kept plain for more than
-    FLUSH_EVERY steps (its taps sent batched, one array per layer), then drafting: the child's
-    drafts are the in-process drafter's, verification by verification (same accepted counts)."""
+class TapDigest(ProposerBase):
+    """Drafts that depend on every tap row it was shown: token = a digest of a sequence's taps
+    so far (order-sensitive), so one lost, swapped or foreign row changes the drafts."""
+
+    name = "test-tap-digest"
+    tap_layers = (0, 1)
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab, self.digest = vocab, {}
+
+    def reset(self, seq):
+        self.digest[seq.seq_id] = 0.0
+
+    def release(self, seq):
+        del self.digest[seq.seq_id]
+
+    def observe(self, batch, accepted, taps, committed):
+        rows = torch.cat([taps[0], taps[1]], dim=-1).double()
+        start = 0
+        for seq, c in zip(batch, committed, strict=True):
+            for row in rows[start : start + c]:
+                d = self.digest[seq.seq_id]
+                self.digest[seq.seq_id] = (d * 1.618 + float(row.sum()) * 1e3) % 1e6
+            start += c
+
+    def propose(self, batch, ks):
+        return [
+            Draft([(int(self.digest[s.seq_id]) + j) % self.vocab for j in range(k)])
+            for s, k in zip(batch, ks, strict=True)
+        ]
+
+
+register_proposer(TapDigest.name, lambda ctx: TapDigest(ctx.target.config.vocab_size), replace=True)
+
+
+@pytest.mark.parametrize("name", [TapDigest.name, "ngram"])
+def test_a_long_plain_stretch_reaches_the_child_intact(name):
+    """Kept plain for more than FLUSH_EVERY steps (taps sent batched, one array per layer; the
+    short requests that came and went meanwhile never sent, their rows cut out of the steps
+    they shared; an n-gram drafter, which observes nothing, sent nothing per step), then only
+    the batch's first sequence drafts: every draft of the child's proposer is the in-process
+    one's, and so is every sampled token.  :class:`TapDigest`'s drafts depend on every tap row
+    it saw, an n-gram drafter's on its siblings' tokens (two samples per request, sampled:
+    they differ), which the child must have although they did not draft."""
     from specrl.rollout.drafter_process import FLUSH_EVERY
 
-    target, draft = make_pair()
+    model = tiny()
 
     def run(drafter: str) -> tuple[list, list]:
-        spec = SpecConfig(
-            proposers=("eagle3",), max_k=3, draft_lengths=(3,), gate=False, decoupled=True,
-            drafter=drafter, proposer_options={"eagle3": {"draft": draft}},
-        )  # fmt: skip
-        engine = make_engine(target, max_batch_size=3, spec=spec, max_model_len=256)
-        plan, record, steps = (
-            engine.drafting.controller.plan,
-            engine.counters.record_verification,
-            [0],
-        )
-        accepted = []
+        spec = SpecConfig(proposers=(name,), max_k=2, gate=False, decoupled=True, drafter=drafter)
+        engine = make_engine(model, max_batch_size=3, spec=spec, max_model_len=256)
+        plan, launch, steps, drafts = engine.drafting.controller.plan, engine.drafting.plan, [0], []
 
-        def planned(batch_size: int):  # plain for the first FLUSH_EVERY + 9 steps
+        def planned(batch_size: int):  # plain for FLUSH_EVERY + 9 steps, then slot 0 drafts
             steps[0] += 1
-            return plan(batch_size) if steps[0] > FLUSH_EVERY + 9 else None
+            arms = plan(batch_size) if steps[0] > FLUSH_EVERY + 9 else None
+            return arms and [arms[0]] + [None] * (batch_size - 1)
 
-        def recorded(k: int, n_acc: int, *args) -> None:
-            accepted.append((k, n_acc))
-            record(k, n_acc, *args)
+        def launched(*args):
+            out = launch(*args)
+            drafts.append([list(d.tokens) for d in out.drafts])
+            return out
 
-        engine.drafting.controller.plan = planned
-        engine.counters.record_verification = recorded
-        out = engine.generate([Request(p, greedy(110)) for p in PROMPTS[:3]])
-        return [r.tokens for r in out], accepted
+        engine.drafting.controller.plan, engine.drafting.plan = planned, launched
+        requests = [
+            Request(p, SamplingParams(max_tokens=m, temperature=1.0, n=2))
+            for p, m in zip(PROMPTS, lengths, strict=True)
+        ]
+        return [r.tokens for r in engine.generate(requests)], drafts
 
-    tokens, accepted = run("process")
-    assert (tokens, accepted) == run("thread")
-    assert tokens == generate(target, PROMPTS[:3], 110)
-    assert sum(k for k, _ in accepted) > 0 and sum(n for _, n in accepted) > 0
+    lengths = [110, 6, 110, 9, 12, 110]  # the short ones live and die while drafting is off
+    tokens, drafts = run("process")
+    assert (tokens, drafts) == run("thread")
+    assert sum(len(d) for step in drafts for d in step) >= 20  # 177 and 39 tokens drafted
 
 
 def test_a_drafter_process_gets_a_thread_in_decoupled_steps_only():

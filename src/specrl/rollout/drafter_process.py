@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import multiprocessing
 import os
 import threading
@@ -162,20 +163,33 @@ class ProcessProposer(ProposerBase):
         self._lock = threading.Lock()
         self._outbox: list[tuple] = []
         self._sent: dict[int, int] = {}  # seq_id → tokens the child holds
+        self._unsent: set[int] = set()  # sequences whose reset is still in the outbox
+        self._dropped: set[int] = set()  # ... and that were released: never sent at all
         self.broken: str | None = None
         self._graphs = 0
         self.info = self._answer(max(timeout, STARTUP_TIMEOUT))
         self.tap_layers = tuple(self.info["tap_layers"])
         self.ahead_safe = bool(self.info["ahead_safe"])
+        self.observes = bool(self.info["observes"])
+        self._live: dict[int, SeqState] = {}  # for a proposer that observes nothing: ...
+        self._stale = False  # ... whether their tokens moved on since the child saw them
 
     # ------------------------------------------------------------------ the protocol
     def reset(self, seq: SeqState) -> None:
         self._sent[seq.seq_id] = len(seq.tokens)
+        self._unsent.add(seq.seq_id)
+        self._live[seq.seq_id] = seq
         self._queue(("reset", _full(seq)))
 
     def release(self, seq: SeqState) -> None:
-        self._queue(("release", self._sync([seq])))
+        """A sequence whose whole life is still queued (the gate kept drafting off) is dropped
+        from the queue: the child never hears of it."""
+        if seq.seq_id in self._unsent:
+            self._dropped.add(seq.seq_id)
+        else:
+            self._queue(("release", self._sync([seq])))
         self._sent.pop(seq.seq_id, None)
+        self._live.pop(seq.seq_id, None)
 
     def move(self, moves: list[tuple[SeqState, int]]) -> None:
         seqs = [s for s, _ in moves]
@@ -188,12 +202,16 @@ class ProcessProposer(ProposerBase):
         taps: dict[int, torch.Tensor] | None,
         committed: list[int],
     ) -> None:
+        if not self.observes:  # nothing per step: the tokens travel with the next request
+            self._stale = True
+            return
         # the taps by reference (the engine never writes into a step's taps); the child's
         # proposer gets the layers it reads, all queued steps' in one array per layer (_pack)
         mine = {k: taps[k] for k in self.tap_layers} if taps and self.tap_layers else None
         self._queue(("observe", self._sync(batch), list(accepted), mine, list(committed)))
 
     def propose(self, batch: list[SeqState], ks: list[int]) -> list[Draft]:
+        self._refresh()
         return [_draft(d) for d in self._call("propose", self._sync(batch), list(ks))]
 
     def propose_ahead(
@@ -201,11 +219,13 @@ class ProcessProposer(ProposerBase):
     ) -> list[Draft]:
         """On the drafter thread: the child drafts while this thread waits on the pipe (the
         child samples with its own generators, whatever generators ``batch`` carries)."""
+        self._refresh()
         sent = [[int(t) for t in d.tokens] for d in drafts]
         syncs = self._sync(batch, [len(d) for d in sent])  # ``batch`` may carry the drafts
         return [_draft(d) for d in self._call("ahead", syncs, sent, list(ks))]
 
     def backlog(self, batch: list[SeqState]) -> int:
+        self._refresh()
         return int(self._call("backlog", self._sync(batch)))
 
     @property
@@ -233,9 +253,21 @@ class ProcessProposer(ProposerBase):
         self._outbox.append(msg)
         if len(self._outbox) >= FLUSH_EVERY and self.broken is None:
             with self._lock:
-                msgs, self._outbox = _pack([*self._outbox, ("flush",)]), []
+                msgs = self._pack([*self._outbox, ("flush",)])
                 with contextlib.suppress(OSError, ValueError):  # gone: the next call says so
                     self._conn.send(msgs)
+
+    def _refresh(self) -> None:
+        """Before a request to a proposer that observes nothing: every live sequence's new
+        tokens (it may read any, e.g. an n-gram drafter its siblings')."""
+        if self._stale:
+            self._stale = False
+            self._outbox.append(("sync", self._sync(list(self._live.values()))))
+
+    def _pack(self, msgs: list[tuple]) -> list[tuple]:
+        """The outbox (emptied) as sent: the dropped sequences out, the taps packed."""
+        dropped, self._outbox, self._unsent, self._dropped = self._dropped, [], set(), set()
+        return _pack(_without(msgs, dropped) if dropped else msgs)
 
     def _sync(self, seqs: list[SeqState], extra: list[int] | None = None) -> list[tuple]:
         """Per sequence what changed since the child last saw it: (seq_id, slot, kv_len,
@@ -258,7 +290,7 @@ class ProcessProposer(ProposerBase):
                 raise DrafterError(f"drafter process {self.name!r} is unusable: {self.broken}")
             if self._embed.data_ptr() != self._embed_ptr:
                 self._fail("the target's embedding was replaced, not updated in place")
-            msgs, self._outbox = _pack([*self._outbox, (op, *args)]), []
+            msgs = self._pack([*self._outbox, (op, *args)])
             try:
                 self._conn.send(msgs)
             except (OSError, ValueError) as exc:  # BrokenPipe: the child is gone
@@ -330,6 +362,37 @@ def _tensor(wire: tuple[bool, np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(a).view(torch.bfloat16) if bf16 else torch.from_numpy(a)
 
 
+def _without(msgs: list[tuple], dropped: set[int]) -> list[tuple]:
+    """Queued lifecycle and observe calls with the sequences in ``dropped`` taken out (their
+    taps' rows too); a call left about no sequence goes."""
+    out = []
+    for m in msgs:
+        if m[0] == "reset":
+            m = None if m[1][0] in dropped else m
+        elif m[0] == "move":
+            kept = [b for b, e in enumerate(m[1]) if e[0] not in dropped]
+            m = ("move", [m[1][b] for b in kept], [m[2][b] for b in kept]) if kept else None
+        elif m[0] == "observe":
+            m = _observe_without(m, dropped)
+        if m is not None:
+            out.append(m)
+    return out
+
+
+def _observe_without(m: tuple, dropped: set[int]) -> tuple | None:
+    _, syncs, accepted, taps, committed = m
+    kept = [b for b, e in enumerate(syncs) if e[0] not in dropped]
+    if len(kept) == len(syncs) or not kept:
+        return m if kept else None
+    if taps is not None:
+        starts = [0, *itertools.accumulate(committed)]
+        rows = [r for b in kept for r in range(starts[b], starts[b + 1])]
+        index = torch.tensor(rows, dtype=torch.int64)
+        taps = {k: t.index_select(0, index.to(t.device)) for k, t in taps.items()}
+    pick = lambda xs: [xs[b] for b in kept]
+    return ("observe", pick(syncs), pick(accepted), taps, pick(committed))
+
+
 def _pack(msgs: list[tuple]) -> list[tuple]:
     """``msgs`` with their observed taps in one array per layer: a ``("taps", arrays)`` message
     first, each ``observe`` naming its rows (one copy and one pickled object per layer and
@@ -384,6 +447,7 @@ def _child_main(conn, name, options, module, fields, target, threads) -> None:
         info = {
             "tap_layers": list(proposer.tap_layers),
             "ahead_safe": bool(proposer.ahead_safe),
+            "observes": bool(proposer.observes),
             "weights": isinstance(proposer, SupportsWeights),
             "pid": os.getpid(),
         }
@@ -466,6 +530,9 @@ class _Host:
         seqs = self._apply(syncs)
         self.proposer.move(list(zip(seqs, slots, strict=True)))
 
+    def sync(self, syncs: list[tuple]) -> None:
+        self._apply(syncs)
+
     def taps(self, arrays) -> None:
         self.tapped = {k: _tensor(v) for k, v in arrays.items()}
 
@@ -509,6 +576,7 @@ _OPS = {
     "reset": _Host.reset,
     "release": _Host.release,
     "move": _Host.move,
+    "sync": _Host.sync,
     "taps": _Host.taps,
     "observe": _Host.observe,
     "propose": _Host.propose,

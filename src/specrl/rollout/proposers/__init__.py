@@ -78,6 +78,9 @@ class Proposer(Protocol):
 
     name: str
     tap_layers: tuple[int, ...]  # target layers whose outputs ``observe`` needs; () if none
+    # False: ``observe`` does nothing (the sequences' tokens are all it reads, when it drafts),
+    # so a drafter process is sent no per-step call
+    observes: bool
 
     def propose(self, batch: list[SeqState], ks: list[int]) -> list[Draft]: ...
 
@@ -131,6 +134,7 @@ class ProposerBase:
 
     name: str
     tap_layers: tuple[int, ...] = ()
+    observes = True
 
     def move(self, moves: list[tuple[SeqState, int]]) -> None:
         pass

@@ -75,6 +75,7 @@ class NgramProposer(ProposerBase):
     # propose only reads the indexes and the sequence's tokens: decoupled drafting may call it
     # on shadow sequences carrying drafts not yet verified (specrl.rollout.decoupled)
     ahead_safe = True
+    observes = False
 
     def __init__(
         self,
@@ -130,7 +131,7 @@ class NgramProposer(ProposerBase):
         taps: dict[int, torch.Tensor] | None,
         committed: list[int],
     ) -> None:
-        """Nothing to do: the indexes read the sequences' token lists lazily."""
+        """Nothing to do: the indexes read the sequences' token lists lazily (``observes``)."""
 
     def state_dict(self) -> dict[str, Any]:
         """The history of finished responses (per prompt, oldest first; prompts LRU order):
