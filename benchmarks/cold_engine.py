@@ -4,8 +4,11 @@ Issue 29's check.  The toy pair (``toy-small`` target, its EAGLE-3 draft), 64 gr
 prompts, at most 64 tokens each, batch sizes 1 / 8 / 64.  Every measured run builds **fresh**
 engines — plain, best-of-N (``eagle3`` + ``ngram``, the recipe's default ``max_k``, the learned
 gate), and a second plain one whose ratio to the first is the noise floor of the run — gives each
-one short warm-up call (2 other prompts, 8 tokens), then times the 64 prompts.  Variants are
-interleaved in a rotated order per repeat; ratios are medians of per-repeat ratios.
+one short warm-up call (2 other prompts, 8 tokens), then times the 64 prompts, sent in calls of
+``--chunk`` prompts (default: the batch size, at least 8) that the three engines make in turn,
+in an order rotated per call: this machine's speed drifts by tens of percent over a second, more
+than the margin at stake, and taking turns per call puts every slow stretch on all three alike.
+Ratios are medians of per-repeat ratios.
 
 The gate starts off on a fresh engine and speculates only once its own measurements say it pays
 (:mod:`specrl.rollout.gating`), so the target is best-of-N ≥ 0.95× plain at every batch size.
@@ -40,6 +43,42 @@ def prompts(codec: TextCodec, count: int, seed: int) -> list[list[int]]:
     return [codec.encode_prompt(p.prompt) for p in problems]
 
 
+def fresh_engines_interleaved(
+    model, codec, spec, batch, rep, clock, warm, work, chunk, max_tokens
+) -> dict[str, dict]:
+    """One repeat: a fresh engine per variant, each warmed by one short call, then the prompts
+    in calls of ``chunk``, every call made by each engine in turn (order rotated per call), so
+    that the machine's slow and fast stretches fall on all variants alike."""
+
+    def fresh(name: str) -> RolloutEngine:
+        best_of_n = spec if name == "best-of-N" else None
+        return RolloutEngine(
+            model, codec=codec, max_batch_size=batch, clock=clock, seed=rep, spec=best_of_n
+        )
+
+    engines = {name: fresh(name) for name in VARIANTS}
+    for engine in engines.values():
+        engine.generate(warm)  # one short warm-up call, as a user's first request
+    seconds, tokens = dict.fromkeys(VARIANTS, 0.0), {name: [] for name in VARIANTS}
+    calls = [work[i : i + chunk] for i in range(0, len(work), chunk)]
+    for i, call in enumerate(calls):
+        for name in harness.rotated(VARIANTS, rep + i):
+            reqs = [Request(p, SamplingParams(max_tokens, 0.0)) for p in call]
+            spent, out = harness.timed(clock, lambda e=engines[name], r=reqs: e.generate(r))
+            seconds[name] += spent
+            tokens[name] += [r.tokens for r in out]
+    out = {}
+    for name, engine in engines.items():
+        steps = engine.stats()["gating"]
+        out[name] = {
+            "tok_s": sum(map(len, tokens[name])) / seconds[name],
+            "tokens": tokens[name],
+            "spec_steps": steps["spec_steps"],
+            "plain_steps": steps["plain_steps"],
+        }
+    return out
+
+
 def main() -> None:
     ap = harness.parser(__doc__, "cold_engine", repeats=3)
     ap.add_argument("--target", type=Path, default=Path("runs/toy/target"))
@@ -47,6 +86,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--chunk", type=int, default=0, help="prompts per call (default: the batch, ≥ 8)"
+    )
     args = ap.parse_args()
     clock = harness.configure(ap, args)
     for path, what in ((args.target, "config.json"), (args.draft, "specrl_draft.json")):
@@ -63,25 +105,13 @@ def main() -> None:
     warm = [Request(p, SamplingParams(8, 0.0)) for p in prompts(codec, 2, seed=2)]
     rows, records = [], {}
     for batch in batches:
-
-        def run(name: str, rep: int, batch: int = batch) -> dict:
-            engine = RolloutEngine(
-                model, codec=codec, max_batch_size=batch, clock=clock, seed=rep,
-                spec=spec if name == "best-of-N" else None,
-            )  # fmt: skip
-            engine.generate(warm)  # one short warm-up call, as a user's first request
-            reqs = [Request(p, SamplingParams(args.max_tokens, 0.0)) for p in work]
-            seconds, out = harness.timed(clock, lambda: engine.generate(reqs))
-            steps = engine.stats()["gating"]
-            return {
-                "tok_s": out.stats["tokens"] / seconds,
-                "tokens": [r.tokens for r in out],
-                "spec_steps": steps["spec_steps"],
-                "plain_steps": steps["plain_steps"],
-                "decode_forwards": out.stats["decode_forwards"],
-            }
-
-        runs = harness.interleave(VARIANTS, repeats, run, warmup=0)
+        chunk = args.chunk or max(batch, 8)
+        runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+        for rep in range(repeats):
+            for name, record in fresh_engines_interleaved(
+                model, codec, spec, batch, rep, clock, warm, work, chunk, args.max_tokens
+            ).items():
+                runs[name].append(record)
         records[batch] = runs
         plain = [r["tok_s"] for r in runs["plain"]]
         for name in VARIANTS:
