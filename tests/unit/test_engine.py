@@ -660,6 +660,20 @@ def test_engine_state_of_the_older_format_keeps_versions_and_seed(caplog):
         engine.load_state_dict({"controller": {}})
 
 
+def test_a_speculation_policy_state_in_another_layout_is_a_one_line_error():
+    """E.g. an unreleased build's (the target's cost in two curves; no settling counters)."""
+    engine = make_engine(tiny(), spec=SpecConfig(proposers=["ngram"], max_k=2))
+    state = engine.state_dict()
+    older = copy.deepcopy(state)
+    older["controller"]["target"] = [{"buckets": []}, {"buckets": []}]
+    fewer = copy.deepcopy(state)
+    del fewer["controller"]["last_mode"]
+    for bad in (older, fewer):
+        with pytest.raises(CheckpointError, match="malformed"):
+            engine.load_state_dict(json.loads(json.dumps(bad)))
+    engine.load_state_dict(state)  # the current layout still loads
+
+
 def test_saved_state_with_an_unknown_proposer_is_refused():
     saved = make_engine(tiny(), spec=SpecConfig(proposers=["ngram", "test-garbage"], max_k=2))
     state = saved.state_dict()
