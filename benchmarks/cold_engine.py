@@ -103,7 +103,7 @@ def main() -> None:
     repeats = 1 if args.quick else args.repeats
     work = prompts(codec, args.prompts, seed=1)
     warm = [Request(p, SamplingParams(8, 0.0)) for p in prompts(codec, 2, seed=2)]
-    rows, records = [], {}
+    rows = []
     for batch in batches:
         chunk = args.chunk or max(batch, 8)
         runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
@@ -112,7 +112,6 @@ def main() -> None:
                 model, codec, spec, batch, rep, clock, warm, work, chunk, args.max_tokens
             ).items():
                 runs[name].append(record)
-        records[batch] = runs
         plain = [r["tok_s"] for r in runs["plain"]]
         for name in VARIANTS:
             tok_s = [r["tok_s"] for r in runs[name]]

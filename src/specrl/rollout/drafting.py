@@ -32,7 +32,7 @@ from specrl.rollout.decoupled import DrafterError, DraftWorker, Lookahead, suppo
 from specrl.rollout.drafter_process import ProcessProposer, ThreadLender, spawn_proposer
 from specrl.rollout.gating import Arm, SpecController
 from specrl.rollout.metrics import AcceptanceAlarm, Counters
-from specrl.rollout.proposers import Proposer, ProposerContext, SupportsWeights, build_proposer
+from specrl.rollout.proposers import Proposer, ProposerContext, build_proposer, with_weights
 from specrl.rollout.types import Draft, SeqState
 
 __all__ = ["Drafting"]
@@ -299,11 +299,11 @@ class Drafting:
         return sum(p.compiled_graphs for p in self.proposers.values())
 
     def check_weights(self, draft: Mapping[str, torch.Tensor]) -> None:
-        for p in _weighted(self.proposers):
+        for p in with_weights(self.proposers).values():
             p.check_weights(draft)
 
     def load_weights(self, draft: Mapping[str, torch.Tensor]) -> None:
-        for p in _weighted(self.proposers):
+        for p in with_weights(self.proposers).values():
             p.load_weights(draft)
 
     def stats(self) -> dict[str, Any]:
@@ -347,8 +347,3 @@ def _build(spec: SpeculationConfig, ctx: ProposerContext, name: str, *, process:
     return spawn_proposer(
         name, ctx, options, threads=spec.drafter_threads, timeout=spec.drafter_timeout
     )
-
-
-def _weighted(proposers: Mapping[str, Proposer]) -> list[Any]:
-    """The proposers with draft weights (:class:`~specrl.rollout.proposers.SupportsWeights`)."""
-    return [p for p in proposers.values() if isinstance(p, SupportsWeights)]

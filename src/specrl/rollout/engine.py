@@ -76,7 +76,7 @@ from specrl.rollout.compiled import CHECK_EVERY, Compiled, CompiledDecode
 from specrl.rollout.decoupled import DrafterError
 from specrl.rollout.drafting import Drafting
 from specrl.rollout.metrics import EngineCounters
-from specrl.rollout.proposers import ProposerContext, SupportsWeights
+from specrl.rollout.proposers import ProposerContext, with_weights
 from specrl.rollout.sampling import SamplingParams, sampling_probs
 from specrl.rollout.scheduler import Scheduler
 from specrl.rollout.types import Request, Result, Results
@@ -434,7 +434,7 @@ class RolloutEngine:
     @property
     def takes_draft_weights(self) -> bool:
         """Whether some proposer of this engine loads draft weights (:meth:`update_weights`)."""
-        return any(isinstance(p, SupportsWeights) for p in self.drafting.proposers.values())
+        return bool(with_weights(self.drafting.proposers))
 
     def update_weights(
         self,
@@ -473,8 +473,7 @@ class RolloutEngine:
         if draft is not None:
             self.drafting.load_weights(draft)
             self.draft_version = version if version is not None else self.draft_version + 1
-        weighted = [n for n, p in self.drafting.proposers.items() if isinstance(p, SupportsWeights)]
-        self.drafting.alarm.arm(weighted, self.policy_version)
+        self.drafting.alarm.arm(list(with_weights(self.drafting.proposers)), self.policy_version)
 
     def stats(self) -> dict[str, Any]:
         """Counters since construction (:class:`~specrl.rollout.metrics.Counters`; a

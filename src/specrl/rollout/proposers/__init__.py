@@ -70,6 +70,7 @@ __all__ = [
     "build_proposer",
     "proposer_module",
     "register_proposer",
+    "with_weights",
 ]
 
 
@@ -172,6 +173,11 @@ class SupportsWeights(Protocol):
     def check_weights(self, state: Mapping[str, torch.Tensor]) -> Any: ...
 
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
+
+def with_weights(proposers: Mapping[str, Any]) -> dict[str, SupportsWeights]:
+    """The proposers among ``proposers`` that take draft weights, by name."""
+    return {n: p for n, p in proposers.items() if isinstance(p, SupportsWeights)}
 
 
 @dataclass
