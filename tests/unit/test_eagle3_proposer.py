@@ -190,7 +190,7 @@ def test_backlog_counts_the_positions_the_draft_has_not_seen():
     engine.controller.force(True)
     engine.step()
     assert caught_up == [17]  # the drafting call caught up all of it ...
-    assert engine.controller.drafting["eagle3"].observations == 1  # ... in its cost sample
+    assert engine.controller.costs.drafting["eagle3"].observations == 1  # ... in its cost sample
     assert 2 <= prop.backlog(list(running.values())) <= 2 * 3  # then what it committed
 
 

@@ -665,9 +665,9 @@ def test_a_speculation_policy_state_in_another_layout_is_a_one_line_error():
     engine = make_engine(tiny(), spec=SpecConfig(proposers=["ngram"], max_k=2))
     state = engine.state_dict()
     older = copy.deepcopy(state)
-    older["controller"]["target"] = [{"buckets": []}, {"buckets": []}]
+    older["controller"]["costs"]["target"] = [{"buckets": []}, {"buckets": []}]
     fewer = copy.deepcopy(state)
-    del fewer["controller"]["last_mode"]
+    del fewer["controller"]["costs"]["last_mode"]
     for bad in (older, fewer):
         with pytest.raises(CheckpointError, match="malformed"):
             engine.load_state_dict(json.loads(json.dumps(bad)))

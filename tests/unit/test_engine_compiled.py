@@ -273,7 +273,7 @@ def test_compilation_time_stays_out_of_the_gate_cost_model():
     engine = RolloutEngine(model, max_batch_size=3, spec=spec, compile=True, guard_check_every=1)
     engine.generate(requests([SamplingParams(max_tokens=12, temperature=0.0, n=2)] * 3))
     assert engine.stats()["compiled_graphs"] > 0
-    curves = engine.controller.target.values()
+    curves = engine.controller.costs.target.values()
     timed = sum(c.observations for c in curves)
     assert 0 < timed < engine.stats()["decode_forwards"]  # compiling steps left out
     for curve in curves:

@@ -78,6 +78,16 @@ def test_cost_curve_follows_a_drifting_machine():
     assert curve.predict(8) == pytest.approx(2e-3, rel=0.01)
 
 
+def test_cost_curve_forgets_by_steps_not_by_observations():
+    curve = CostCurve(rate=1 / 32)
+    for step in range(100):
+        curve.observe(8, 1e-3, step)
+    curve.observe(8, 2e-3, 99 + 64)  # measured again 64 steps later: mostly forgotten
+    assert curve.predict(8) == pytest.approx(2e-3 - 1e-3 * (31 / 32) ** 64)
+    curve.observe(8, 1e-3, 99 + 65)  # the next step: one step's weight
+    assert curve.predict(8) == pytest.approx(2e-3 - 1e-3 * (31 / 32) ** 64 - 1e-3 / 32, rel=0.02)
+
+
 # ------------------------------------------------------------------------- bandit
 def test_bandit_plays_young_arms_round_robin_then_the_best():
     bandit = EpsilonGreedy(["a", "b", "c"], epsilon=0.0, min_samples=2)
@@ -188,6 +198,18 @@ def test_gate_turns_on_where_speculation_pays():
     tokens, t = simulate(ctrl, 1, 300, a=1e-2, b=1e-5, alpha=0.8)  # latency-bound
     assert ctrl.to_dict()["gate_on_batch_sizes"] == [1]
     assert tokens / t > 2.0 * (1 / (1e-2 + 1e-5))  # well above plain's rate
+
+
+def test_gate_turns_off_when_the_machine_speeds_up_and_speculation_stops_paying():
+    # while on, plain is measured only by probes: its cost must age by steps, or the machine's
+    # slow past keeps S above 1 for as many probes as a busy curve needs steps
+    ctrl = SpecController(spec(), ["p"])
+    simulate(ctrl, 1, 600, a=2e-3, b=2e-5, alpha=0.9, draft=2e-4)  # a slow machine: pays
+    assert ctrl.to_dict()["gate_on"]
+    before = ctrl.counts["spec_steps"]
+    tokens, t = simulate(ctrl, 1, 600, a=1e-3, b=1e-5, alpha=0.3, draft=8e-4)  # 2× faster: loses
+    assert ctrl.counts["spec_steps"] - before < 120  # was: on for 576 of the 600 steps
+    assert tokens / t > 0.9 / (1e-3 + 1e-5)
 
 
 def test_gate_speculates_in_the_tail_and_not_in_the_full_batch():
@@ -441,7 +463,7 @@ def test_every_timed_decode_step_feeds_the_cost_curves(model):
     s = engine.stats()
     assert s["prefill_forwards"] > 1  # steps with admissions are measured too (prefill excluded)
     ctrl = engine.controller
-    assert sum(c.observations for c in ctrl.target.values()) == s["decode_forwards"]
+    assert sum(c.observations for c in ctrl.costs.target.values()) == s["decode_forwards"]
 
 
 def test_engine_static_table_speculates_only_where_it_says(model):
@@ -474,8 +496,8 @@ def test_a_plain_step_right_after_a_speculative_one_is_not_a_sample():
     for rows, seconds, mode in [(4, 1e-3, "plain"), (12, 2e-3, "coupled"), (4, 9e-3, "plain")]:
         ctrl.record_step(rows, seconds, mode)
     ctrl.record_step(4, 1e-3, "plain")
-    assert ctrl.target["plain"].count(4) == 2
-    assert ctrl.target["plain"].predict(4) == pytest.approx(1e-3)
+    assert ctrl.costs.target["plain"].count(4) == 2
+    assert ctrl.costs.target["plain"].predict(4) == pytest.approx(1e-3)
 
 
 def test_the_gate_measures_plain_at_a_batch_size_before_it_speculates_there():
@@ -496,5 +518,5 @@ def test_the_gate_measures_plain_at_a_batch_size_before_it_speculates_there():
         assert plain_steps <= 10
         ctrl.record_step(8, 11e-3, "plain")
     # the first plain step followed speculative ones (no sample); the others were samples
-    assert plain_steps >= 2 and ctrl.target["plain"].count(8) == plain_steps - 1
+    assert plain_steps >= 2 and ctrl.costs.target["plain"].count(8) == plain_steps - 1
     assert all(a == arm for a in arms)

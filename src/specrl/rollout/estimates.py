@@ -1,6 +1,8 @@
-"""What the speculation policy measures: acceptance per draft position, costs by size.
+"""What the speculation policy measures, and what that says each way of drafting costs.
 
-Both are plain Python, deterministic and JSON-able (``state_dict`` / ``load_state_dict``), used by
+:class:`ChainAcceptance` (acceptance per draft position), :class:`CostCurve` (seconds by size)
+and :class:`StepCosts` (both, for every proposer and target mode, priced per :class:`Arm`): plain
+Python, deterministic and JSON-able (``state_dict`` / ``load_state_dict``), used by
 :mod:`specrl.rollout.gating`.
 """
 
@@ -8,10 +10,27 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from specrl.rollout.bandit import MEMORY
+
+MODES = ("plain", "coupled", "decoupled")
+
+
+class Arm(NamedTuple):
+    """Draft with ``proposer``, at most ``k`` tokens; ``ahead``: decoupled."""
+
+    proposer: str
+    k: int
+    ahead: bool = False
+
+    @property
+    def mode(self) -> str:
+        return MODES[1 + self.ahead]
+
+    def __str__(self) -> str:
+        return f"{self.proposer}/k={self.k}" + ("/ahead" if self.ahead else "")
 
 
 class ChainAcceptance:
@@ -71,7 +90,11 @@ class CostCurve:
     """Seconds as a non-decreasing piecewise-linear function t(x) of a size x, measured.
 
     Observations fall in buckets of x spaced by a factor √2; each keeps running means (x̄, t̄)
-    (weight max(1/n, ``rate``): the machine and the model drift).  t(x) interpolates linearly
+    forgetting at ``rate`` per step of the caller's clock (weight max(1/n, 1 − (1 − rate)^Δ),
+    Δ the steps since the bucket's last observation): the machine and the model drift, and a
+    bucket measured rarely — plain steps while speculation is on, speculative ones while it is
+    off — must forget in time as fast as one measured every step, or S compares a stale cost
+    with a fresh one.  t(x) interpolates linearly
     between the buckets' points, made non-increasing from the right (never cheaper at a larger
     size).  Outside them it extrapolates conservatively above, as compute-bound (t̄·x/x̄, the
     steepest a cost with a fixed part can grow), and flat below — or, ``optimistic``, flat above
@@ -81,7 +104,7 @@ class CostCurve:
 
     def __init__(self, rate: float = 1.0 / 32) -> None:
         self.rate = rate
-        self._buckets: dict[int, list[float]] = {}  # bucket → [count, x̄, t̄]
+        self._buckets: dict[int, list[float]] = {}  # bucket → [count, x̄, t̄, last step]
         self._points: list[tuple[float, float]] | None = None  # cache of :attr:`points`
 
     @staticmethod
@@ -93,10 +116,12 @@ class CostCurve:
         b = self._buckets.get(self._bucket(x))
         return 0 if b is None else int(b[0])
 
-    def observe(self, x: float, seconds: float) -> None:
-        b = self._buckets.setdefault(self._bucket(x), [0, 0.0, 0.0])
+    def observe(self, x: float, seconds: float, step: int | None = None) -> None:
+        """One measurement at the caller's ``step`` (None: one step after the last one)."""
+        b = self._buckets.setdefault(self._bucket(x), [0, 0.0, 0.0, 0])
         b[0] += 1
-        w = max(1.0 / b[0], self.rate)
+        last, b[3] = b[3], b[3] + 1 if step is None else step
+        w = max(1.0 / b[0], 1.0 - (1.0 - self.rate) ** max(b[3] - last, 1))
         b[1] += (x - b[1]) * w
         b[2] += (max(seconds, 0.0) - b[2]) * w
         self._points = None
@@ -132,5 +157,115 @@ class CostCurve:
         return {"buckets": [[k, *v] for k, v in sorted(self._buckets.items())]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._buckets = {int(k): [int(n), float(x), float(t)] for k, n, x, t in state["buckets"]}
+        self._buckets = {
+            int(k): [int(n), float(x), float(t), int(s)] for k, n, x, t, s in state["buckets"]
+        }
         self._points = None
+
+
+def _predict(curves: Iterable[CostCurve], x: float, optimistic: bool) -> float:
+    """The first measured curve's t(x); 0 if none is measured."""
+    return next((c.predict(x, optimistic) or 0.0 for c in curves if c.observations), 0.0)
+
+
+class StepCosts:
+    """The price of a decode step for every arm, from what was measured.
+
+    A step of B sequences of which n draft with arm (p, k, mode) takes t_mode(rows) +
+    d_p(n·k + n·τ̂·[p defers]) seconds, rows = B + n·(f̂ − 1) (B·(k + 1) padded): t_mode the
+    target's curve of that mode (an unmeasured one priced as decoupled → coupled → plain), d_p
+    the drafting curve (EAGLE-3 also catches up the τ̂ committed positions; decoupled: only what
+    the target waited for).  An arm's value is v = B·τ̂ / t(n = B) tokens per second, and the
+    expected speedup S(B) = max v · t_plain(B) / B.
+
+    The plain cost is the baseline of every S, and while speculation is on only probes sample
+    it: it ages by steps (a probe after a long stretch stands for it), or a machine that got
+    faster keeps S above 1 for as many probes as a busy curve needs steps.  Speculative costs
+    age by observations: while off only probes sample them, and averaging those keeps one noisy
+    probe from turning the gate on (a stale one that does is measured again every step).  A
+    plain step right after a speculative one is no sample: the draft's weights are in the
+    caches (1.3–2.5× a plain run's step on toy-small).
+    """
+
+    def __init__(
+        self, max_k: int, proposers: Sequence[str], ahead: Sequence[str] = (), padded: bool = False
+    ) -> None:
+        self.accept = {p: ChainAcceptance(max_k) for p in proposers}
+        self.target = {m: CostCurve() for m in MODES}
+        self.drafting = {p: CostCurve() for p in proposers}  # coupled drafting
+        self.exposed = {p: CostCurve() for p in ahead}  # decoupled: what the target waited for
+        self.defers = dict.fromkeys(proposers, False)  # proposer has queued positions to catch up
+        self.padded = padded
+        self.measured = 0  # speculative measurements: the prices change only with them
+        self.last_mode = "plain"  # of the last step recorded
+
+    # ------------------------------------------------------------------ pricing
+    def plain(self, b: int, optimistic: bool = False) -> float:
+        """t_plain(B), 0 before any plain step (``optimistic``: cheap where unmeasured)."""
+        return _predict([self.target["plain"]], b, optimistic)
+
+    def seconds(self, arm: Arm, b: int, n: int, optimistic: bool = False) -> float:
+        """Predicted seconds of a step of ``b`` sequences of which ``n`` draft with ``arm``."""
+        tau, fed = self.accept[arm.proposer].estimate(arm.k)
+        rows = b * (arm.k + 1) if self.padded else b + n * (fed - 1)
+        modes = ("decoupled", "coupled", "plain") if arm.ahead else ("coupled", "plain")
+        target = _predict([self.target[m] for m in modes], rows, optimistic)
+        curves = [self.exposed[arm.proposer]] if arm.ahead else []
+        drafted = n * (arm.k + tau * self.defers[arm.proposer])
+        return target + _predict([*curves, self.drafting[arm.proposer]], drafted, optimistic)
+
+    def rates(self, arms: Iterable[Arm], b: int, optimistic: bool = False) -> dict[Arm, float]:
+        """Each arm's value v when the whole batch drafts with it."""
+        seconds = {arm: self.seconds(arm, b, b, optimistic) for arm in arms}
+        tau = {arm: self.accept[arm.proposer].estimate(arm.k)[0] for arm in seconds}
+        return {a: b * tau[a] / t if t > 0 else math.inf for a, t in seconds.items()}
+
+    def speedup(self, b: int, rates: Mapping[Arm, float], optimistic: bool = False) -> float:
+        """S(B) of the best arm (plain priced the other way round: S is never flattered)."""
+        return max(rates.values()) * self.plain(b, not optimistic) / b
+
+    # ------------------------------------------------------------------ measuring
+    def record_step(self, rows: int, seconds: float | None, mode: str, step: int) -> None:
+        """The target's seconds of decode step ``step`` in ``mode`` over ``rows`` rows (None: no
+        sample, e.g. it compiled a graph)."""
+        after_plain, self.last_mode = self.last_mode == "plain", mode
+        if seconds is not None and (mode != "plain" or after_plain):
+            self.target[mode].observe(rows, seconds, step if mode == "plain" else None)
+            self.measured += mode != "plain"
+
+    def record_draft(
+        self, proposer: str, rows: int, seconds: float, backlog: int = 0, ahead: bool = False
+    ) -> None:
+        """A step's drafting: ``rows`` tokens asked (Σ caps) after ``backlog`` queued positions
+        caught up, in ``seconds`` (``ahead``: the seconds the target waited for drafts)."""
+        (self.exposed if ahead else self.drafting)[proposer].observe(rows + backlog, seconds)
+        self.defers[proposer] |= backlog > 0
+        self.measured += 1
+
+    def record(self, arm: Arm, k_used: int, emitted: int, cap: int | None = None) -> None:
+        """One verification under ``arm``: capped at ``cap`` (default k), ``k_used`` drafted,
+        ``emitted`` tokens emitted."""
+        self.accept[arm.proposer].add(arm.k if cap is None else cap, k_used, emitted)
+        self.measured += 1
+
+    # ------------------------------------------------------------------ state
+    def _tables(self) -> dict[str, Mapping[str, Any]]:
+        tables = (self.accept, self.target, self.drafting, self.exposed)
+        return dict(zip(("accept", "target", "drafting", "exposed"), tables, strict=True))
+
+    def state_dict(self) -> dict[str, Any]:
+        tables = {k: {n: e.state_dict() for n, e in d.items()} for k, d in self._tables().items()}
+        return tables | {
+            "defers": dict(self.defers),
+            "measured": self.measured,
+            "last_mode": self.last_mode,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """A state saved with other proposers keeps the ones both have."""
+        for key, mine in self._tables().items():
+            for name, saved in state[key].items():
+                if name in mine:
+                    mine[name].load_state_dict(saved)
+        self.defers.update({p: bool(d) for p, d in state["defers"].items() if p in self.defers})
+        self.measured, self.last_mode = int(state["measured"]), str(state["last_mode"])

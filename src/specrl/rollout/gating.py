@@ -18,29 +18,15 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from specrl.config.schema import SpeculationConfig
 from specrl.rollout.bandit import EpsilonGreedy
-from specrl.rollout.estimates import ChainAcceptance, CostCurve
+from specrl.rollout.estimates import Arm, StepCosts
 
-MODES = ("plain", "coupled", "decoupled")
+__all__ = ["Arm", "SpecController", "SpeculationGate"]
+
 PLAIN_FIRST = 3  # plain steps measured at a batch size before speculating there
-
-
-class Arm(NamedTuple):
-    """Draft with ``proposer``, at most ``k`` tokens; ``ahead``: decoupled."""
-
-    proposer: str
-    k: int
-    ahead: bool = False
-
-    @property
-    def mode(self) -> str:
-        return MODES[1 + self.ahead]
-
-    def __str__(self) -> str:
-        return f"{self.proposer}/k={self.k}" + ("/ahead" if self.ahead else "")
 
 
 class SpeculationGate:
@@ -71,21 +57,12 @@ class SpeculationGate:
         return on != flip
 
 
-def _predict(curves: Sequence[CostCurve], x: float, optimistic: bool) -> float:
-    """The first measured curve's t(x); 0 if none is measured."""
-    return next((c.predict(x, optimistic) or 0.0 for c in curves if c.observations), 0.0)
-
-
 class SpecController:
     """The engine's speculation policy: gate each decode step, pick its arm, learn.
 
-    A step of B sequences of which n draft with arm (p, k, mode) takes t_mode(rows) +
-    d_p(n·k + n·τ̂·[p defers]) seconds, rows = B + n·(f̂ − 1) (B·(k + 1) padded): t_mode the
-    target's curve of that mode (an unmeasured one priced as decoupled → coupled → plain), d_p
-    the drafting curve (EAGLE-3 also catches up the τ̂ committed positions; decoupled: only what
-    the target waited for).  An arm's value is v = B·τ̂ / t(n = B); the expected speedup
-    S(B) = max v · t_plain(B) / B is priced conservatively (speculation dear, plain cheap where
-    unmeasured), so a batch size where every arm loses stays plain.
+    Every arm is priced by :class:`~specrl.rollout.estimates.StepCosts`; the expected speedup S(B)
+    is priced conservatively (speculation dear, plain cheap where unmeasured), so a batch size
+    where every arm loses stays plain.
 
     Probes keep S measured, about a ``probe`` share of the time, spaced by their price (what a
     probe costs beyond the plain steps its tokens replace, ≥ 1 plain step).  While off, one
@@ -114,24 +91,18 @@ class SpecController:
         ks = set(config.draft_lengths or range(1, config.max_k + 1))
         self._table = sorted((config.k_by_batch_size or {}).items())
         ks |= {k for _, k in self._table if k}
-        self.config, self.padded = config, padded
+        self.config = config
         modes = [(p, False) for p in proposers if config.decoupled is not True or p not in ahead]
         modes += [(p, True) for p in proposers if p in ahead]
         self.arms = tuple(Arm(p, k, a) for p, a in modes for k in sorted(ks))
         self.bandit = EpsilonGreedy(self.arms, config.epsilon, seed) if self.arms else None
         self.gate = SpeculationGate(config.hysteresis)
-        self.accept = {p: ChainAcceptance(config.max_k) for p in proposers}
-        self.target = {m: CostCurve() for m in MODES}
-        self.drafting = {p: CostCurve() for p in proposers}  # coupled drafting
-        self.exposed = {p: CostCurve() for p in ahead}  # decoupled: what the target waited for
-        self.defers = dict.fromkeys(proposers, False)  # proposer has queued positions to catch up
+        self.costs = StepCosts(config.max_k, proposers, ahead, padded)
         self._spacing = 1.0 / config.probe if config.probe > 0 else math.inf
         self._forced: bool | None = None
         self._last_batch = 1
-        self._last_mode = "plain"  # of the last step recorded
         self._plain_left = 0  # plain steps still due (a gate-on probe runs two)
         self.widest = 0  # most sequences that drafted in one step so far
-        self._measured = 0  # speculative measurements: the prices change only with them
         self._prices: tuple[Any, ...] = (None,)  # (key, rates, probe price, its arm or None)
         self.counts = {"spec_steps": 0, "plain_steps": 0, "probe_steps": 0, "since_probe": 0}
         self.selections = {str(a): 0 for a in self.arms}
@@ -159,14 +130,15 @@ class SpecController:
         if self._plain_left:
             self._plain_left -= 1
             return self._plain()
-        if not self.target["plain"].observations:
+        target = self.costs.target
+        if not target["plain"].observations:
             return self._plain()  # a plain step first: the baseline
-        if not (self.target["coupled"].observations or self.target["decoupled"].observations):
+        if not (target["coupled"].observations or target["decoupled"].observations):
             return self._probe(b)
         rates, price, hopeful = self._priced(b)
-        on = self.gate.decide(b, self._speedup(b, rates))
+        on = self.gate.decide(b, self.costs.speedup(b, rates))
         early = not on and hopeful is not None and b >= 2 * self.widest
-        if (on or early) and self.target["plain"].count(b) < PLAIN_FIRST:
+        if (on or early) and target["plain"].count(b) < PLAIN_FIRST:
             return self._plain()  # the baseline at this size first: free, and S is trusted
         self.counts["since_probe"] += 1
         if not early and self.counts["since_probe"] < self._spacing * (1.0 if on else price):
@@ -179,42 +151,25 @@ class SpecController:
         return self._draft(b, b, [hopeful], rates, probe=True) if hopeful else self._probe(b)
 
     def _priced(self, b: int) -> tuple[dict[Arm, float], float, Arm | None]:
-        """(:meth:`_rates`, the next gate-off probe's price in plain steps, the arm of a
+        """(every arm's value, the next gate-off probe's price in plain steps, the arm of a
         whole-batch probe or None for a slice), kept until a speculative measurement changes
         them: while the gate is off a step costs a lookup, not a pricing."""
-        if self._prices[0] != (b, self._measured):
-            rates, hopes = self._rates(b), self._rates(b, True)
-            plain = _predict([self.target["plain"]], b, False)
-            hopeful = max(hopes, key=hopes.__getitem__)
-            if self._speedup(b, hopes, True) > 1 + self.gate.hysteresis:
-                tau = self.accept[hopeful.proposer].estimate(hopeful.k)[0]
-                seconds, saved = self._seconds(hopeful, b, b), tau
-            else:
-                hopeful, saved = None, 1.0
-                seconds = max(self._seconds(a, b, -(-b // 8)) for a in self.arms)
-            price = max(1.0, seconds / plain - saved) if plain > 0 else 1.0
-            self._prices = ((b, self._measured), rates, price, hopeful)
+        if self._prices[0] != (b, self.costs.measured):
+            self._prices = ((b, self.costs.measured), *self._price(b))
         return self._prices[1:]
 
-    def _seconds(self, arm: Arm, b: int, n: int, optimistic: bool = False) -> float:
-        """Predicted seconds of a step of ``b`` sequences of which ``n`` draft with ``arm``."""
-        tau, fed = self.accept[arm.proposer].estimate(arm.k)
-        rows = b * (arm.k + 1) if self.padded else b + n * (fed - 1)
-        modes = ("decoupled", "coupled", "plain") if arm.ahead else ("coupled", "plain")
-        target = _predict([self.target[m] for m in modes], rows, optimistic)
-        curves = [self.exposed[arm.proposer]] if arm.ahead else []
-        drafted = n * (arm.k + tau * self.defers[arm.proposer])
-        return target + _predict([*curves, self.drafting[arm.proposer]], drafted, optimistic)
-
-    def _rates(self, b: int, optimistic: bool = False) -> dict[Arm, float]:
-        """Each arm's value v (tokens per second of the whole batch, class docstring)."""
-        seconds = {arm: self._seconds(arm, b, b, optimistic) for arm in self.arms}
-        tau = {arm: self.accept[arm.proposer].estimate(arm.k)[0] for arm in self.arms}
-        return {a: b * tau[a] / t if t > 0 else math.inf for a, t in seconds.items()}
-
-    def _speedup(self, b: int, rates: Mapping[Arm, float], optimistic: bool = False) -> float:
-        """S(B) = best arm's value · t_plain(B) / B (plain priced the other way round)."""
-        return max(rates.values()) * _predict([self.target["plain"]], b, not optimistic) / b
+    def _price(self, b: int) -> tuple[dict[Arm, float], float, Arm | None]:
+        costs = self.costs
+        rates, hopes = costs.rates(self.arms, b), costs.rates(self.arms, b, True)
+        hopeful = max(hopes, key=hopes.__getitem__)
+        if costs.speedup(b, hopes, True) > 1 + self.gate.hysteresis:
+            tau = costs.accept[hopeful.proposer].estimate(hopeful.k)[0]
+            seconds, saved = costs.seconds(hopeful, b, b), tau
+        else:
+            hopeful, saved = None, 1.0
+            seconds = max(costs.seconds(a, b, -(-b // 8)) for a in self.arms)
+        plain = costs.plain(b)
+        return rates, max(1.0, seconds / plain - saved) if plain > 0 else 1.0, hopeful
 
     def _probe(self, b: int) -> list[Arm | None]:
         """A slice probe: ⌈B/8⌉ sequences (rotating) draft with the bandit's arm."""
@@ -229,8 +184,8 @@ class SpecController:
         """The bandit's arm for a step of ``b`` sequences of which ``n`` draft; young proposers
         try their longest k first (its verifications teach every shorter k)."""
         assert self.bandit is not None
-        rates = rates if rates is not None else self._rates(b)
-        samples = {a: self.accept[a.proposer].samples(a.k) for a in arms}
+        rates = rates if rates is not None else self.costs.rates(self.arms, b)
+        samples = {a: self.costs.accept[a.proposer].samples(a.k) for a in arms}
         young = {(a.proposer, a.ahead): a for a in arms if samples[a] < self.bandit.min_samples}
         pool = list(young.values()) or arms  # arms ascend in k: the longest young one stays
         arm = self.bandit.choose({a: rates[a] for a in pool}, samples)
@@ -246,60 +201,44 @@ class SpecController:
     # ------------------------------------------------------------------ learning
     def record_step(self, rows: int, seconds: float | None, mode: str) -> None:
         """Target seconds of a decode step of ``mode`` over ``rows`` rows (prefill and drafting
-        taken out; None: no sample, e.g. it compiled a graph).  A plain step right after a
-        speculative one is no sample: the draft's weights are in the caches (1.3–2.5× a plain
-        run's step on toy-small)."""
-        after_plain, self._last_mode = self._last_mode == "plain", mode
-        if seconds is not None and (mode != "plain" or after_plain):
-            self.target[mode].observe(rows, seconds)
-            self._measured += mode != "plain"
+        taken out; None: no sample)."""
+        steps = self.counts["spec_steps"] + self.counts["plain_steps"]
+        self.costs.record_step(rows, seconds, mode, steps)
 
     def record_draft(
         self, proposer: str, rows: int, seconds: float, backlog: int = 0, ahead: bool = False
     ) -> None:
-        """A step's drafting: ``rows`` tokens asked (Σ caps) after ``backlog`` queued positions
-        caught up, in ``seconds`` (``ahead``: the seconds the target waited for drafts)."""
-        (self.exposed if ahead else self.drafting)[proposer].observe(rows + backlog, seconds)
-        self.defers[proposer] |= backlog > 0
-        self._measured += 1
+        """See :meth:`StepCosts.record_draft <specrl.rollout.estimates.StepCosts.record_draft>`."""
+        self.costs.record_draft(proposer, rows, seconds, backlog, ahead)
 
     def record(self, arm: Arm, k_used: int, emitted: int, cap: int | None = None) -> None:
-        """One verification under ``arm``: capped at ``cap`` (default k), ``k_used`` drafted,
-        ``emitted`` tokens emitted."""
-        self.accept[arm.proposer].add(arm.k if cap is None else cap, k_used, emitted)
-        self._measured += 1
+        """See :meth:`StepCosts.record <specrl.rollout.estimates.StepCosts.record>`."""
+        self.costs.record(arm, k_used, emitted, cap)
 
     # ------------------------------------------------------------------ reporting, state
-    def _estimates(self) -> dict[str, Mapping[str, Any]]:
-        """The estimates by their key in :meth:`state_dict`."""
-        tables = (self.accept, self.target, self.drafting, self.exposed)
-        return dict(zip(("accept", "target", "drafting", "exposed"), tables, strict=True))
-
     def to_dict(self) -> dict[str, Any]:
         points = lambda c: [[round(x, 3), t] for x, t in c.points]
+        costs = self.costs
         return {
             "gate_on": self.gate.state(self._last_batch) if self.config.gate else True,
             "gate_on_batch_sizes": sorted(b for b, on in self.gate.states.items() if on),
             "gate_switches": self.gate.switches,
             **{k: v for k, v in self.counts.items() if k != "since_probe"},
-            "target_cost": {m: points(c) for m, c in self.target.items()},
-            "draft_cost": {p: points(c) for p, c in self.drafting.items()}
-            | {p + "/ahead": points(c) for p, c in self.exposed.items()},
+            "target_cost": {m: points(c) for m, c in costs.target.items()},
+            "draft_cost": {p: points(c) for p, c in costs.drafting.items()}
+            | {p + "/ahead": points(c) for p, c in costs.exposed.items()},
             "selections": {k: v for k, v in self.selections.items() if v},
         }
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            **{k: {n: e.state_dict() for n, e in d.items()} for k, d in self._estimates().items()},
-            "defers": dict(self.defers),
+            "costs": self.costs.state_dict(),
             "gate": [[b, on] for b, on in self.gate.states.items()],
             "switches": self.gate.switches,
             "bandit": None if self.bandit is None else self.bandit.state_dict(),
             "counts": dict(self.counts),
             "selections": dict(self.selections),
             "widest": self.widest,
-            "measured": self._measured,
-            "last_mode": self._last_mode,
             "plain_left": self._plain_left,
             # the cached pricing (plain steps do not refresh it): a resumed run probes alike
             "priced": None if self._prices[0] is None else [*self._prices[0], *self._prices[2:]],
@@ -307,23 +246,19 @@ class SpecController:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """A state saved by an engine with the same proposers (others are ignored)."""
-        for key, mine in self._estimates().items():
-            for name, saved in state[key].items():
-                if name in mine:
-                    mine[name].load_state_dict(saved)
-        self.defers.update({p: bool(d) for p, d in state["defers"].items() if p in self.defers})
+        self.costs.load_state_dict(state["costs"])
         self.gate.states = {int(b): bool(on) for b, on in state["gate"]}
         self.gate.switches = int(state["switches"])
         if self.bandit is not None and state["bandit"] is not None:
             self.bandit.load_state_dict(state["bandit"])
         self.counts.update(state["counts"])
-        self.widest = int(state["widest"])
-        self._last_mode, self._plain_left = str(state["last_mode"]), int(state["plain_left"])
-        self._measured, self._prices = int(state["measured"]), (None,)
+        self.widest, self._plain_left = int(state["widest"]), int(state["plain_left"])
+        self._prices = (None,)
         if state["priced"] is not None:
-            b, _, price, arm = state["priced"]
+            b, measured, price, arm = state["priced"]
             hopeful = None if arm is None else Arm(arm[0], int(arm[1]), bool(arm[2]))
-            self._prices = ((b, self._measured), self._rates(b), price, hopeful)
+            rates = self.costs.rates(self.arms, b)
+            self._prices = ((b, int(measured)), rates, price, hopeful)
         self.selections.update(
             (k, v) for k, v in state["selections"].items() if k in self.selections
         )
