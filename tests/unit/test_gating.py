@@ -8,6 +8,7 @@ that a forward hook advances by a + b·tokens per target forward.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import random
 
@@ -210,6 +211,33 @@ def test_gate_turns_off_when_the_machine_speeds_up_and_speculation_stops_paying(
     tokens, t = simulate(ctrl, 1, 600, a=1e-3, b=1e-5, alpha=0.3, draft=8e-4)  # 2× faster: loses
     assert ctrl.counts["spec_steps"] - before < 120  # was: on for 576 of the 600 steps
     assert tokens / t > 0.9 / (1e-3 + 1e-5)
+
+
+def test_a_gate_off_probe_is_priced_with_the_positions_it_catches_up():
+    # an EAGLE-3-like drafter: a probe after a plain stretch first runs the draft over every
+    # position the stretch committed (up to a sequence's length, 60), 0.1 plain steps each;
+    # speculating loses (S ≤ 0.99); priced as if they caught up τ̂ positions, probes cost ~4×
+    # their budget
+    ctrl = SpecController(spec(), ["p"])
+    rng = random.Random(0)
+    tokens = seconds = 0.0
+    last = 0
+    for step in range(3000):
+        arms = ctrl.plan(1)
+        if arms is None:
+            ctrl.record_step(1, 1e-3, "plain")
+            tokens, seconds = tokens + 1, seconds + 1e-3
+            continue
+        arm, backlog, last = arms[0], min(step - last, 60) if step - last > 1 else 2, step
+        accepted = sum(itertools.takewhile(bool, (rng.random() < 0.5 for _ in range(arm.k))))
+        ctrl.record(arm, arm.k, accepted + 1)
+        ctrl.record_step(1 + arm.k, 1e-3 + 1e-5 * (1 + arm.k), "coupled")
+        drafting = 3e-4 + 1e-4 * (arm.k + backlog)
+        ctrl.record_draft("p", arm.k, drafting, backlog)
+        tokens += accepted + 1
+        seconds += 1e-3 + 1e-5 * (1 + arm.k) + drafting
+    assert ctrl.costs.queued["p"].value > 30  # what probes really caught up
+    assert tokens / seconds > 0.96 / 1e-3  # the probe budget (2 %) and the cold start
 
 
 def test_gate_speculates_in_the_tail_and_not_in_the_full_batch():

@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from specrl.rollout.bandit import MEMORY
+from specrl.rollout.bandit import MEMORY, RunningMean
 
 MODES = ("plain", "coupled", "decoupled")
 
@@ -176,7 +176,8 @@ class StepCosts:
     target's curve of that mode (an unmeasured one priced as decoupled → coupled → plain), d_p
     the drafting curve (EAGLE-3 also catches up the τ̂ committed positions; decoupled: only what
     the target waited for).  An arm's value is v = B·τ̂ / t(n = B) tokens per second, and the
-    expected speedup S(B) = max v · t_plain(B) / B.
+    expected speedup S(B) = max v · t_plain(B) / B.  A probe after a plain stretch catches up
+    more than τ̂ positions: q̂, the mean queued per drafting sequence at past probes.
 
     The plain cost is the baseline of every S, and while speculation is on only probes sample
     it: it ages by steps (a probe after a long stretch stands for it), or a machine that got
@@ -195,6 +196,7 @@ class StepCosts:
         self.drafting = {p: CostCurve() for p in proposers}  # coupled drafting
         self.exposed = {p: CostCurve() for p in ahead}  # decoupled: what the target waited for
         self.defers = dict.fromkeys(proposers, False)  # proposer has queued positions to catch up
+        self.queued = {p: RunningMean() for p in proposers}  # q̂: per sequence, at probes
         self.padded = padded
         self.measured = 0  # speculative measurements: the prices change only with them
         self.last_mode = "plain"  # of the last step recorded
@@ -204,14 +206,19 @@ class StepCosts:
         """t_plain(B), 0 before any plain step (``optimistic``: cheap where unmeasured)."""
         return _predict([self.target["plain"]], b, optimistic)
 
-    def seconds(self, arm: Arm, b: int, n: int, optimistic: bool = False) -> float:
-        """Predicted seconds of a step of ``b`` sequences of which ``n`` draft with ``arm``."""
+    def seconds(
+        self, arm: Arm, b: int, n: int, optimistic: bool = False, probe: bool = False
+    ) -> float:
+        """Predicted seconds of a step of ``b`` sequences of which ``n`` draft with ``arm``
+        (``probe``: after a plain stretch)."""
         tau, fed = self.accept[arm.proposer].estimate(arm.k)
         rows = b * (arm.k + 1) if self.padded else b + n * (fed - 1)
         modes = ("decoupled", "coupled", "plain") if arm.ahead else ("coupled", "plain")
         target = _predict([self.target[m] for m in modes], rows, optimistic)
         curves = [self.exposed[arm.proposer]] if arm.ahead else []
-        drafted = n * (arm.k + tau * self.defers[arm.proposer])
+        queued = self.queued[arm.proposer]
+        catch_up = queued.value if probe and queued.count else tau * self.defers[arm.proposer]
+        drafted = n * (arm.k + catch_up)
         return target + _predict([*curves, self.drafting[arm.proposer]], drafted, optimistic)
 
     def rates(self, arms: Iterable[Arm], b: int, optimistic: bool = False) -> dict[Arm, float]:
@@ -234,12 +241,21 @@ class StepCosts:
             self.measured += mode != "plain"
 
     def record_draft(
-        self, proposer: str, rows: int, seconds: float, backlog: int = 0, ahead: bool = False
+        self,
+        proposer: str,
+        rows: int,
+        seconds: float,
+        backlog: int = 0,
+        ahead: bool = False,
+        probe: int = 0,
     ) -> None:
         """A step's drafting: ``rows`` tokens asked (Σ caps) after ``backlog`` queued positions
-        caught up, in ``seconds`` (``ahead``: the seconds the target waited for drafts)."""
+        caught up, in ``seconds`` (``ahead``: the seconds the target waited for drafts;
+        ``probe``: the step was a probe in which that many sequences drafted)."""
         (self.exposed if ahead else self.drafting)[proposer].observe(rows + backlog, seconds)
         self.defers[proposer] |= backlog > 0
+        if probe:
+            self.queued[proposer].add(backlog / probe)
         self.measured += 1
 
     def record(self, arm: Arm, k_used: int, emitted: int, cap: int | None = None) -> None:
@@ -250,8 +266,8 @@ class StepCosts:
 
     # ------------------------------------------------------------------ state
     def _tables(self) -> dict[str, Mapping[str, Any]]:
-        tables = (self.accept, self.target, self.drafting, self.exposed)
-        return dict(zip(("accept", "target", "drafting", "exposed"), tables, strict=True))
+        tables = (self.accept, self.target, self.drafting, self.exposed, self.queued)
+        return dict(zip(("accept", "target", "drafting", "exposed", "queued"), tables, strict=True))
 
     def state_dict(self) -> dict[str, Any]:
         tables = {k: {n: e.state_dict() for n, e in d.items()} for k, d in self._tables().items()}

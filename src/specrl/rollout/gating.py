@@ -65,7 +65,9 @@ class SpecController:
     where every arm loses stays plain.
 
     Probes keep S measured, about a ``probe`` share of the time, spaced by their price (what a
-    probe costs beyond the plain steps its tokens replace, ≥ 1 plain step).  While off, one
+    probe costs beyond the plain steps its tokens replace, ≥ 1 plain step; a gate-off probe's
+    drafter first catches up the positions of the plain stretch, as many as at past probes:
+    EAGLE-3's probe at batch 1 on toy-small costs 6–9 plain steps, not 3).  While off, one
     step speculates: the whole batch with the arm an optimistic pricing ranks first where that
     could turn the gate on, else a slice of ⌈B/8⌉ sequences (acceptance stays fresh, new
     weights may pay).  While on, two steps run plain (the first, after speculative ones, runs
@@ -102,6 +104,7 @@ class SpecController:
         self._forced: bool | None = None
         self._last_batch = 1
         self._plain_left = 0  # plain steps still due (a gate-on probe runs two)
+        self._probing = 0  # sequences drafting in this step if it is a gate-off probe
         self.widest = 0  # most sequences that drafted in one step so far
         self._prices: tuple[Any, ...] = (None,)  # (key, rates, probe price, its arm or None)
         self.counts = {"spec_steps": 0, "plain_steps": 0, "probe_steps": 0, "since_probe": 0}
@@ -164,10 +167,10 @@ class SpecController:
         hopeful = max(hopes, key=hopes.__getitem__)
         if costs.speedup(b, hopes, True) > 1 + self.gate.hysteresis:
             tau = costs.accept[hopeful.proposer].estimate(hopeful.k)[0]
-            seconds, saved = costs.seconds(hopeful, b, b), tau
+            seconds, saved = costs.seconds(hopeful, b, b, probe=True), tau
         else:
             hopeful, saved = None, 1.0
-            seconds = max(costs.seconds(a, b, -(-b // 8)) for a in self.arms)
+            seconds = max(costs.seconds(a, b, -(-b // 8), probe=True) for a in self.arms)
         plain = costs.plain(b)
         return rates, max(1.0, seconds / plain - saved) if plain > 0 else 1.0, hopeful
 
@@ -191,12 +194,14 @@ class SpecController:
         arm = self.bandit.choose({a: rates[a] for a in pool}, samples)
         self.counts["spec_steps"] += 1
         self.counts["probe_steps"] += probe
+        self._probing = n if probe else 0
         self.selections[str(arm)] += n
         self.widest = max(self.widest, n)
         return [arm] * b
 
     def _plain(self) -> None:
         self.counts["plain_steps"] += 1
+        self._probing = 0
 
     # ------------------------------------------------------------------ learning
     def record_step(self, rows: int, seconds: float | None, mode: str) -> None:
@@ -209,7 +214,7 @@ class SpecController:
         self, proposer: str, rows: int, seconds: float, backlog: int = 0, ahead: bool = False
     ) -> None:
         """See :meth:`StepCosts.record_draft <specrl.rollout.estimates.StepCosts.record_draft>`."""
-        self.costs.record_draft(proposer, rows, seconds, backlog, ahead)
+        self.costs.record_draft(proposer, rows, seconds, backlog, ahead, self._probing)
 
     def record(self, arm: Arm, k_used: int, emitted: int, cap: int | None = None) -> None:
         """See :meth:`StepCosts.record <specrl.rollout.estimates.StepCosts.record>`."""
