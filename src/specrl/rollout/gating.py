@@ -5,10 +5,10 @@ Speculation trades target compute for fewer sequential forwards: it pays at a sm
 k + 1).  Each decode step runs plain or with an :class:`Arm` — proposer, draft length k, and
 mode *coupled* (draft, then verify) or *decoupled* (drafted during the previous verification,
 :mod:`specrl.rollout.decoupled`).  Measured costs decide, deterministically given a seed and
-the measured step times: :class:`~specrl.rollout.estimates.ChainAcceptance` (τ̂(k), f̂(k) per
-proposer), :class:`~specrl.rollout.estimates.CostCurve` (seconds by rows: the target's steps
-per mode, each drafter's drafting), :class:`SpeculationGate` (on/off per batch size) and the
-bandit (:class:`~specrl.rollout.bandit.EpsilonGreedy`, which arm).  A static table
+the measured step times: :class:`~specrl.rollout.estimates.StepCosts` (every arm's price, from
+τ̂(k), f̂(k) per proposer and seconds by rows of the target's steps per mode and of each
+drafter's drafting), :class:`SpeculationGate` (on/off per batch size) and the bandit
+(:class:`~specrl.rollout.bandit.EpsilonGreedy`, which arm).  A static table
 (``k_by_batch_size``, 0 = plain) replaces gate and k choice where a deployment measured its
 own break-even; the bandit then only picks the proposer.
 """
