@@ -50,10 +50,12 @@ class ChainAcceptance:
         self.counts = [0] * max_k
         self.accepted = [0.0] * max_k
         self.drafted = [0.0] * max_k
+        self._estimates: dict[int, tuple[float, float]] = {}  # k → (τ̂, f̂) until the next add
 
     def add(self, cap: int, k_used: int, emitted: int) -> None:
         """One verification of a draft capped at ``cap``: ``k_used`` drafted, ``emitted``
         tokens emitted (accepted + 1)."""
+        self._estimates.clear()
         for j in range(min(cap, len(self.counts))):
             self.counts[j] += 1
             w = max(1.0 / self.counts[j], self.rate)
@@ -65,12 +67,14 @@ class ChainAcceptance:
 
     def estimate(self, k: int) -> tuple[float, float]:
         """(τ̂, f̂): tokens emitted and fed per verification of a draft capped at ``k``."""
-        tau = fed = a = d = 1.0
-        for j in range(k):
-            if self.counts[j]:
-                a, d = min(a, self.accepted[j]), min(d, self.drafted[j])
-            tau, fed = tau + a, fed + d
-        return tau, fed
+        if k not in self._estimates:
+            tau = fed = a = d = 1.0
+            for j in range(k):
+                if self.counts[j]:
+                    a, d = min(a, self.accepted[j]), min(d, self.drafted[j])
+                tau, fed = tau + a, fed + d
+            self._estimates[k] = (tau, fed)
+        return self._estimates[k]
 
     def state_dict(self) -> dict[str, Any]:
         return {"counts": self.counts[:], "accepted": self.accepted[:], "drafted": self.drafted[:]}
@@ -84,6 +88,7 @@ class ChainAcceptance:
 
         self.counts = fit(state["counts"], int)
         self.accepted, self.drafted = fit(state["accepted"], float), fit(state["drafted"], float)
+        self._estimates.clear()
 
 
 class CostCurve:
@@ -106,6 +111,7 @@ class CostCurve:
         self.rate = rate
         self._buckets: dict[int, list[float]] = {}  # bucket → [count, x̄, t̄, last step]
         self._points: list[tuple[float, float]] | None = None  # cache of :attr:`points`
+        self.observations = 0
 
     @staticmethod
     def _bucket(x: float) -> int:
@@ -120,6 +126,7 @@ class CostCurve:
         """One measurement at the caller's ``step`` (None: one step after the last one)."""
         b = self._buckets.setdefault(self._bucket(x), [0, 0.0, 0.0, 0])
         b[0] += 1
+        self.observations += 1
         last, b[3] = b[3], b[3] + 1 if step is None else step
         w = max(1.0 / b[0], 1.0 - (1.0 - self.rate) ** max(b[3] - last, 1))
         b[1] += (x - b[1]) * w
@@ -135,10 +142,6 @@ class CostCurve:
                 pts[i] = (pts[i][0], min(pts[i][1], pts[i + 1][1]))
             self._points = pts
         return self._points
-
-    @property
-    def observations(self) -> int:
-        return int(sum(b[0] for b in self._buckets.values()))
 
     def predict(self, x: float, optimistic: bool = False) -> float | None:
         """t(x), None before any observation."""
@@ -161,6 +164,7 @@ class CostCurve:
             int(k): [int(n), float(x), float(t), int(s)] for k, n, x, t, s in state["buckets"]
         }
         self._points = None
+        self.observations = int(sum(b[0] for b in self._buckets.values()))
 
 
 def _predict(curves: Iterable[CostCurve], x: float, optimistic: bool) -> float:

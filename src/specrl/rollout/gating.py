@@ -106,7 +106,8 @@ class SpecController:
         self._plain_left = 0  # plain steps still due (a gate-on probe runs two)
         self._probing = 0  # sequences drafting in this step if it is a gate-off probe
         self.widest = 0  # most sequences that drafted in one step so far
-        self._prices: tuple[Any, ...] = (None,)  # (key, rates, probe price, its arm or None)
+        self._rated: tuple[Any, ...] = (None,)  # (key, every arm's value)
+        self._prices: tuple[Any, ...] = (None,)  # (key, gate-off probe price, its arm or None)
         self.counts = {"spec_steps": 0, "plain_steps": 0, "probe_steps": 0, "since_probe": 0}
         self.selections = {str(a): 0 for a in self.arms}
 
@@ -138,13 +139,14 @@ class SpecController:
             return self._plain()  # a plain step first: the baseline
         if not (target["coupled"].observations or target["decoupled"].observations):
             return self._probe(b)
-        rates, price, hopeful = self._priced(b)
+        rates = self._rates(b)
         on = self.gate.decide(b, self.costs.speedup(b, rates))
+        price, hopeful = (1.0, None) if on else self._probe_price(b)
         early = not on and hopeful is not None and b >= 2 * self.widest
         if (on or early) and target["plain"].count(b) < PLAIN_FIRST:
             return self._plain()  # the baseline at this size first: free, and S is trusted
         self.counts["since_probe"] += 1
-        if not early and self.counts["since_probe"] < self._spacing * (1.0 if on else price):
+        if not early and self.counts["since_probe"] < self._spacing * price:
             return self._draft(b, b, self.arms, rates) if on else self._plain()
         self.counts["since_probe"] = 0
         if on:  # two plain steps: the first pays the draft's cache footprint, unrecorded
@@ -153,17 +155,23 @@ class SpecController:
             return self._plain()
         return self._draft(b, b, [hopeful], rates, probe=True) if hopeful else self._probe(b)
 
-    def _priced(self, b: int) -> tuple[dict[Arm, float], float, Arm | None]:
-        """(every arm's value, the next gate-off probe's price in plain steps, the arm of a
-        whole-batch probe or None for a slice), kept until a speculative measurement changes
-        them: while the gate is off a step costs a lookup, not a pricing."""
+    def _rates(self, b: int) -> dict[Arm, float]:
+        """Every arm's value at ``b``, kept until a speculative measurement changes it."""
+        if self._rated[0] != (b, self.costs.measured):
+            self._rated = ((b, self.costs.measured), self.costs.rates(self.arms, b))
+        return self._rated[1]
+
+    def _probe_price(self, b: int) -> tuple[float, Arm | None]:
+        """(The next gate-off probe's price in plain steps, the arm of a whole-batch probe or
+        None for a slice), kept until a speculative measurement changes them: while the gate is
+        off a step costs a lookup, not a pricing."""
         if self._prices[0] != (b, self.costs.measured):
             self._prices = ((b, self.costs.measured), *self._price(b))
         return self._prices[1:]
 
-    def _price(self, b: int) -> tuple[dict[Arm, float], float, Arm | None]:
+    def _price(self, b: int) -> tuple[float, Arm | None]:
         costs = self.costs
-        rates, hopes = costs.rates(self.arms, b), costs.rates(self.arms, b, True)
+        hopes = costs.rates(self.arms, b, True)
         hopeful = max(hopes, key=hopes.__getitem__)
         if costs.speedup(b, hopes, True) > 1 + self.gate.hysteresis:
             tau = costs.accept[hopeful.proposer].estimate(hopeful.k)[0]
@@ -172,7 +180,7 @@ class SpecController:
             hopeful, saved = None, 1.0
             seconds = max(costs.seconds(a, b, -(-b // 8), probe=True) for a in self.arms)
         plain = costs.plain(b)
-        return rates, max(1.0, seconds / plain - saved) if plain > 0 else 1.0, hopeful
+        return max(1.0, seconds / plain - saved) if plain > 0 else 1.0, hopeful
 
     def _probe(self, b: int) -> list[Arm | None]:
         """A slice probe: ⌈B/8⌉ sequences (rotating) draft with the bandit's arm."""
@@ -246,7 +254,7 @@ class SpecController:
             "widest": self.widest,
             "plain_left": self._plain_left,
             # the cached pricing (plain steps do not refresh it): a resumed run probes alike
-            "priced": None if self._prices[0] is None else [*self._prices[0], *self._prices[2:]],
+            "priced": None if self._prices[0] is None else [*self._prices[0], *self._prices[1:]],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -258,12 +266,11 @@ class SpecController:
             self.bandit.load_state_dict(state["bandit"])
         self.counts.update(state["counts"])
         self.widest, self._plain_left = int(state["widest"]), int(state["plain_left"])
-        self._prices = (None,)
+        self._rated = self._prices = (None,)
         if state["priced"] is not None:
             b, measured, price, arm = state["priced"]
             hopeful = None if arm is None else Arm(arm[0], int(arm[1]), bool(arm[2]))
-            rates = self.costs.rates(self.arms, b)
-            self._prices = ((b, int(measured)), rates, price, hopeful)
+            self._prices = ((b, int(measured)), price, hopeful)
         self.selections.update(
             (k, v) for k, v in state["selections"].items() if k in self.selections
         )
