@@ -6,9 +6,9 @@ engines — plain, best-of-N (``eagle3`` + ``ngram``, the recipe's default ``max
 gate), and a second plain one whose ratio to the first is the noise floor of the run — gives each
 one short warm-up call (2 other prompts, 8 tokens), then times the 64 prompts, sent in calls of
 ``--chunk`` prompts (default: the batch size, at least 8) that the three engines make in turn,
-in an order that cycles through the six permutations: this machine's speed drifts by tens of
-percent over a second, more than the margin at stake, and taking turns per call puts every slow
-stretch on all three alike.
+in an order that changes per call (``harness.ordered``): this machine's speed drifts by tens
+of percent over a second, more than the margin at stake, and taking turns per call puts every
+slow stretch on all three alike.
 Ratios are medians of per-repeat ratios.
 
 The gate starts off on a fresh engine and speculates only once its own measurements say it pays
@@ -48,7 +48,7 @@ def fresh_engines_interleaved(
     model, codec, spec, batch, rep, clock, warm, work, chunk, max_tokens
 ) -> dict[str, dict]:
     """One repeat: a fresh engine per variant, each warmed by one short call, then the prompts
-    in calls of ``chunk``, every call made by each engine in turn (in every order in turn), so
+    in calls of ``chunk``, every call made by each engine in turn (the order changing per call), so
     that the machine's slow and fast stretches fall on all variants alike."""
 
     def fresh(name: str) -> RolloutEngine:

@@ -15,15 +15,14 @@ and the versions that produced it)::
     harness.report(args, "decode", rows, ["variant", "tok_s"], {"rows": rows})
 
 Why interleave: this machine is shared and noisy.  Every repeat runs each variant once, back to
-back and in an order that cycles through every permutation (:func:`ordered`), so a slow stretch
-hits all variants of that repeat and none always runs first or right after the same one;
+back and in an order that changes per repeat (:func:`ordered`), so a slow stretch hits all
+variants of that repeat and none always runs first or right after the same one;
 ratios are then medians of per-repeat ratios (:func:`paired_ratio`), not ratios of medians.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shlex
@@ -92,15 +91,20 @@ def timed(clock: Callable[[], float], fn: Callable[[], T]) -> tuple[float, T]:
 
 
 def ordered(items: Sequence[T], index: int) -> list[T]:
-    """The ``index``-th (mod n!) permutation of ``items`` in lexicographic order of positions.
+    """Row ``index`` of a Williams design over ``items`` (n rows, 2n for an odd n, cycling).
 
-    Not a rotation: in a rotation the same variant always follows the same one, and on this
-    machine the engine that always ran right after the plain one measured ~4 % slower than its
-    twins (toy-small at batch 8, whichever engine took that place).  Over every n! consecutive
-    indices each variant runs in each place, and right after each other one, equally often.
+    Over one cycle each variant runs in each place, and right after each other one, equally
+    often; the first n rows are n rotations.  A rotation alone has the same variant always
+    follow the same one, and on this machine the engine that always ran right after the plain
+    one measured ~4 % slower than its twins (toy-small at batch 8, whichever engine it was).
     """
-    perms = list(itertools.permutations(range(len(items))))
-    return [items[i] for i in perms[index % len(perms)]] if items else []
+    n = len(items)
+    if n == 0:
+        return []
+    first = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]
+    r = index % (n if n % 2 == 0 else 2 * n)
+    row = [items[(x + r) % n] for x in first]
+    return row[::-1] if r >= n else row
 
 
 def interleave(

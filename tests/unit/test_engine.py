@@ -661,14 +661,17 @@ def test_engine_state_of_the_older_format_keeps_versions_and_seed(caplog):
 
 
 def test_a_speculation_policy_state_in_another_layout_is_a_one_line_error():
-    """E.g. an unreleased build's (the target's cost in two curves; no settling counters)."""
+    """E.g. an unreleased build's (the target's cost in two curves; no settling counters; the
+    estimates not yet under ``costs``)."""
     engine = make_engine(tiny(), spec=SpecConfig(proposers=["ngram"], max_k=2))
     state = engine.state_dict()
     older = copy.deepcopy(state)
     older["controller"]["costs"]["target"] = [{"buckets": []}, {"buckets": []}]
     fewer = copy.deepcopy(state)
     del fewer["controller"]["costs"]["last_mode"]
-    for bad in (older, fewer):
+    flat = copy.deepcopy(state)  # the estimates beside the policy's own state, not under costs
+    flat["controller"] |= flat["controller"].pop("costs")
+    for bad in (older, fewer, flat):
         with pytest.raises(CheckpointError, match="malformed"):
             engine.load_state_dict(json.loads(json.dumps(bad)))
     engine.load_state_dict(state)  # the current layout still loads

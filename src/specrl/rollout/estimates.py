@@ -95,16 +95,15 @@ class CostCurve:
     """Seconds as a non-decreasing piecewise-linear function t(x) of a size x, measured.
 
     Observations fall in buckets of x spaced by a factor √2; each keeps running means (x̄, t̄)
-    forgetting at ``rate`` per step of the caller's clock (weight max(1/n, 1 − (1 − rate)^Δ),
-    Δ the steps since the bucket's last observation): the machine and the model drift, and a
-    bucket measured rarely — plain steps while speculation is on, speculative ones while it is
-    off — must forget in time as fast as one measured every step, or S compares a stale cost
-    with a fresh one.  t(x) interpolates linearly
-    between the buckets' points, made non-increasing from the right (never cheaper at a larger
-    size).  Outside them it extrapolates conservatively above, as compute-bound (t̄·x/x̄, the
-    steepest a cost with a fixed part can grow), and flat below — or, ``optimistic``, flat above
-    and proportional below.  A GPU's step is flat while latency-bound and linear once
-    compute-bound; the points follow that knee wherever it lies, where one global line cannot.
+    forgetting at ``rate`` (the machine and the model drift): per observation, or per step of
+    the caller's clock where it passes one (weight max(1/n, 1 − (1 − rate)^Δ), Δ the steps since
+    the bucket's last observation: a rarely measured bucket forgets in time as fast as one
+    measured every step).  t(x) interpolates linearly between the buckets' points, made
+    non-increasing from the right (never cheaper at a larger size).  Outside them it extrapolates
+    conservatively above, as compute-bound (t̄·x/x̄, the steepest a cost with a fixed part can
+    grow), and flat below — or, ``optimistic``, flat above and proportional below.  A GPU's step
+    is flat while latency-bound and linear once compute-bound; the points follow that knee
+    wherever it lies, where one global line cannot.
     """
 
     def __init__(self, rate: float = 1.0 / 32) -> None:

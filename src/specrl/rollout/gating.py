@@ -195,7 +195,7 @@ class SpecController:
         """The bandit's arm for a step of ``b`` sequences of which ``n`` draft; young proposers
         try their longest k first (its verifications teach every shorter k)."""
         assert self.bandit is not None
-        rates = rates if rates is not None else self.costs.rates(self.arms, b)
+        rates = rates if rates is not None else self._rates(b)
         samples = {a: self.costs.accept[a.proposer].samples(a.k) for a in arms}
         young = {(a.proposer, a.ahead): a for a in arms if samples[a] < self.bandit.min_samples}
         pool = list(young.values()) or arms  # arms ascend in k: the longest young one stays
