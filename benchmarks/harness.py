@@ -95,8 +95,8 @@ def ordered(items: Sequence[T], index: int) -> list[T]:
 
     Over one cycle each variant runs in each place, and right after each other one, equally
     often; the first n rows are n rotations.  A rotation alone has the same variant always
-    follow the same one, and on this machine the engine that always ran right after the plain
-    one measured ~4 % slower than its twins (toy-small at batch 8, whichever engine it was).
+    follow the same one, and what one engine leaves in the caches then always falls on the same
+    next one.
     """
     n = len(items)
     if n == 0:
