@@ -662,7 +662,7 @@ def test_engine_state_of_the_older_format_keeps_versions_and_seed(caplog):
 
 def test_a_speculation_policy_state_in_another_layout_is_a_one_line_error():
     """E.g. an unreleased build's (the target's cost in two curves; no settling counters; the
-    estimates not yet under ``costs``)."""
+    estimates not yet under ``costs``; no stretch lengths per batch size)."""
     engine = make_engine(tiny(), spec=SpecConfig(proposers=["ngram"], max_k=2))
     state = engine.state_dict()
     older = copy.deepcopy(state)
@@ -671,7 +671,9 @@ def test_a_speculation_policy_state_in_another_layout_is_a_one_line_error():
     del fewer["controller"]["costs"]["last_mode"]
     flat = copy.deepcopy(state)  # the estimates beside the policy's own state, not under costs
     flat["controller"] |= flat["controller"].pop("costs")
-    for bad in (older, fewer, flat):
+    stretchless = copy.deepcopy(state)
+    del stretchless["controller"]["dwell"], stretchless["controller"]["stretch"]
+    for bad in (older, fewer, flat, stretchless):
         with pytest.raises(CheckpointError, match="malformed"):
             engine.load_state_dict(json.loads(json.dumps(bad)))
     engine.load_state_dict(state)  # the current layout still loads

@@ -269,6 +269,57 @@ def test_gate_speculates_in_the_tail_and_not_in_the_full_batch():
     assert states[2] is True and states[64] is False
 
 
+def waves(ctrl, shape, seed=0):
+    """Waves of ``(batch, steps)`` stretches on a GPU-like step (1 ms up to 8 rows, then
+    linear: speculation loses at batch 8 and pays at batch 1, α 0.8) with an EAGLE-3-like
+    drafter: 0.1 ms per drafted row and per position it catches up — every position a sequence
+    committed since it last drafted (its prompt: 20).  Returns (tokens, seconds, the tail's
+    speculative steps)."""
+    rng = random.Random(seed)
+    tokens = seconds = 0.0
+    tail_spec = 0
+    for batch, steps in shape:
+        queued = [20] * batch  # positions each sequence's drafter lacks
+        for _ in range(steps):
+            arms = ctrl.plan(batch, lambda _name, q=queued: sum(q))
+            rows = asked = caught = 0
+            for i, arm in enumerate(arms or [None] * batch):
+                if arm is None:
+                    rows, tokens, queued[i] = rows + 1, tokens + 1, queued[i] + 1
+                    continue
+                acc = sum(itertools.takewhile(bool, (rng.random() < 0.8 for _ in range(arm.k))))
+                ctrl.record(arm, arm.k, acc + 1)
+                rows, tokens = rows + 1 + arm.k, tokens + acc + 1
+                asked, caught, queued[i] = asked + arm.k, caught + queued[i], acc + 1
+            step = 1e-3 * max(1.0, rows / 8)
+            ctrl.record_step(rows, step, "coupled" if rows > batch else "plain")
+            if asked:
+                name = next(a for a in arms if a is not None).proposer
+                ctrl.record_draft(name, asked, 1e-4 * (asked + caught), caught)
+            seconds += step + 1e-4 * (asked + caught)
+            tail_spec += batch == 1 and arms is not None
+    return tokens, seconds, tail_spec
+
+
+def test_speculation_starts_after_a_plain_stretch_only_where_it_earns_the_catch_up_back():
+    # a tail of one sequence that lasts 2 steps: speculating pays 2.5× once caught up, but the
+    # first speculative step catches up ~50 positions (5 plain steps) — more than 2 steps earn
+    ctrl = SpecController(spec(), ["p"])
+    tokens, seconds, tail_spec = waves(ctrl, [(8, 30), (1, 2)] * 40)
+    assert tail_spec <= 6  # probes only (was: 31 of the tails' 80 steps, each tail's first dear)
+    assert tokens / seconds > 0.97 * (8 * 30 + 2) / 32e-3  # was 0.964× plain
+    # a tail that lasts: speculation starts once the stretch has lasted about as many steps as
+    # the catch-up costs, and stays on
+    _, _, tail_spec = waves(ctrl, [(8, 30), (1, 300), (8, 10)], seed=1)
+    assert tail_spec > 250
+    # how long stretches last is state: a resumed policy starts the next tail alike (at once)
+    twin = SpecController(spec(), ["p"], seed=9)
+    twin.load_state_dict(json.loads(json.dumps(ctrl.state_dict())))
+    tail = waves(ctrl, [(8, 20), (1, 40)], seed=3)
+    assert tail == waves(twin, [(8, 20), (1, 40)], seed=3) and tail[2] > 36
+    assert ctrl.state_dict() == twin.state_dict()
+
+
 def test_one_sequence_probe_does_not_keep_a_paying_batch_off():
     # The batch-8 regression: a slice probe is one sequence at B = 8, and a drafter whose cost
     # is per pass (EAGLE-3's k sequential passes, not its rows) priced from one sequence,

@@ -125,7 +125,7 @@ class Drafting:
         """The decode launch of ``seqs``: the gate's arm per sequence (None: plain), each
         capped by what ``max_tokens`` leaves, and the drafts — ahead drafts where the
         lookahead has them, else from the proposers (each call timed, for the gate)."""
-        arms = self.controller.plan(len(seqs))
+        arms = self.controller.plan(len(seqs), lambda name: self.proposers[name].backlog(seqs))
         drafts = [Draft([]) for _ in seqs]
         caps = [0] * len(seqs)
         draft_calls = []

@@ -210,10 +210,17 @@ class StepCosts:
         return _predict([self.target["plain"]], b, optimistic)
 
     def seconds(
-        self, arm: Arm, b: int, n: int, optimistic: bool = False, probe: bool = False
+        self,
+        arm: Arm,
+        b: int,
+        n: int,
+        optimistic: bool = False,
+        probe: bool = False,
+        backlog: int | None = None,
     ) -> float:
         """Predicted seconds of a step of ``b`` sequences of which ``n`` draft with ``arm``
-        (``probe``: after a plain stretch)."""
+        (``probe``: after a plain stretch; ``backlog``: the positions its drafter has queued
+        for them, where known)."""
         tau, fed = self.accept[arm.proposer].estimate(arm.k)
         rows = b * (arm.k + 1) if self.padded else b + n * (fed - 1)
         modes = ("decoupled", "coupled", "plain") if arm.ahead else ("coupled", "plain")
@@ -221,7 +228,7 @@ class StepCosts:
         curves = [self.exposed[arm.proposer]] if arm.ahead else []
         queued = self.queued[arm.proposer]
         catch_up = queued.value if probe and queued.count else tau * self.defers[arm.proposer]
-        drafted = n * (arm.k + catch_up)
+        drafted = n * (arm.k + catch_up) if backlog is None else n * arm.k + backlog
         return target + _predict([*curves, self.drafting[arm.proposer]], drafted, optimistic)
 
     def rates(self, arms: Iterable[Arm], b: int, optimistic: bool = False) -> dict[Arm, float]:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from specrl.config.schema import SpeculationConfig
-from specrl.rollout.bandit import EpsilonGreedy
+from specrl.rollout.bandit import EpsilonGreedy, RunningMean
 from specrl.rollout.estimates import Arm, StepCosts
 
 __all__ = ["Arm", "SpecController", "SpeculationGate"]
@@ -73,10 +73,13 @@ class SpecController:
     weights may pay).  While on, two steps run plain (the first, after speculative ones, runs
     with the draft's weights in the caches and is no sample).  A batch twice as wide as any
     that drafted yet is probed whole at once where it might pay: a drafter's cost is mostly per
-    pass, and extrapolating from one sequence would keep the gate off.  A batch size is
-    speculated only once :data:`PLAIN_FIRST` plain steps of it were measured: plain costs
-    nothing against plain, and S priced against one noisy plain step turns the gate on where
-    it loses.
+    pass, and extrapolating from one sequence would keep the gate off.
+
+    A batch size is speculated only once :data:`PLAIN_FIRST` plain steps of it were measured:
+    plain costs nothing against plain, and S priced against one noisy plain step turns the gate
+    on where it loses.  Speculating after a plain stretch pays the same catch-up as a probe,
+    once: where the gate is on, it starts only if the batch is expected to keep its size long
+    enough to earn that back (a tail batch size that lasts a step or two stays plain).
     """
 
     def __init__(
@@ -104,6 +107,9 @@ class SpecController:
         self._forced: bool | None = None
         self._last_batch = 1
         self._plain_left = 0  # plain steps still due (a gate-on probe runs two)
+        self._stretch = 0  # consecutive decode steps at the current batch size
+        self._dwell: dict[int, RunningMean] = {}  # steps a stretch at a batch size lasted
+        self._caught_up = False  # every sequence drafted in the last step
         self._probing = 0  # sequences drafting in this step if it is a gate-off probe
         self.widest = 0  # most sequences that drafted in one step so far
         self._rated: tuple[Any, ...] = (None,)  # (key, every arm's value)
@@ -120,10 +126,17 @@ class SpecController:
         self.arms = tuple(a for a in self.arms if not a.ahead)
 
     # ------------------------------------------------------------------ deciding
-    def plan(self, batch_size: int) -> list[Arm | None] | None:
+    def plan(
+        self, batch_size: int, backlog: Callable[[str], int] | None = None
+    ) -> list[Arm | None] | None:
         """The arm of every sequence of a decode step (None: that one does not draft), or None
-        for a plain step."""
-        self._last_batch = b = batch_size
+        for a plain step; ``backlog(proposer)``: the positions that proposer has queued for the
+        step's sequences (default: as many per sequence as at past probes)."""
+        b = batch_size
+        if b != self._last_batch and self._stretch:
+            self._dwell.setdefault(self._last_batch, RunningMean()).add(self._stretch)
+            self._stretch = 0
+        self._last_batch, self._stretch = b, self._stretch + 1
         if not self.arms or self._forced is False:
             return self._plain()
         if self._table:
@@ -140,14 +153,17 @@ class SpecController:
         if not (target["coupled"].observations or target["decoupled"].observations):
             return self._probe(b)
         rates = self._rates(b)
-        on = self.gate.decide(b, self.costs.speedup(b, rates))
+        speedup = self.costs.speedup(b, rates)
+        on = self.gate.decide(b, speedup)
+        # after a plain stretch: on only where the drafter's catch-up would be earned back
+        wait = on and not self._caught_up and not self._repays(b, rates, speedup, backlog)
         price, hopeful = (1.0, None) if on else self._probe_price(b)
         early = not on and hopeful is not None and b >= 2 * self.widest
         if (on or early) and target["plain"].count(b) < PLAIN_FIRST:
             return self._plain()  # the baseline at this size first: free, and S is trusted
         self.counts["since_probe"] += 1
         if not early and self.counts["since_probe"] < self._spacing * price:
-            return self._draft(b, b, self.arms, rates) if on else self._plain()
+            return self._draft(b, b, self.arms, rates) if on and not wait else self._plain()
         self.counts["since_probe"] = 0
         if on:  # two plain steps: the first pays the draft's cache footprint, unrecorded
             self.counts["probe_steps"] += 1
@@ -160,6 +176,22 @@ class SpecController:
         if self._rated[0] != (b, self.costs.measured):
             self._rated = ((b, self.costs.measured), self.costs.rates(self.arms, b))
         return self._rated[1]
+
+    def _repays(
+        self, b: int, rates: Mapping[Arm, float], speedup: float, backlog: Callable | None
+    ) -> bool:
+        """Whether speculating at ``b`` after a plain stretch earns back its first step: the
+        drafter first catches up the positions the stretch committed (its backlog), once;
+        speculating then saves t_plain(B)·(1 − 1/S) per step for as long as the batch keeps
+        this size — expected: as long as its stretches lasted, or as long as the current one
+        has lasted already (a tail that has lasted tends to last)."""
+        arm = max(rates, key=rates.__getitem__)
+        queued = backlog(arm.proposer) if backlog is not None and not arm.ahead else None
+        first = self.costs.seconds(arm, b, b, probe=True, backlog=queued)
+        switch = first - self.costs.seconds(arm, b, b)
+        past = self._dwell.get(b)
+        steps = max(self._stretch, past.value if past is not None else 0.0)
+        return steps * self.costs.plain(b) * (1 - 1 / speedup) >= switch
 
     def _probe_price(self, b: int) -> tuple[float, Arm | None]:
         """(The next gate-off probe's price in plain steps, the arm of a whole-batch probe or
@@ -203,6 +235,7 @@ class SpecController:
         self.counts["spec_steps"] += 1
         self.counts["probe_steps"] += probe
         self._probing = n if probe else 0
+        self._caught_up = n == b
         self.selections[str(arm)] += n
         self.widest = max(self.widest, n)
         return [arm] * b
@@ -210,6 +243,7 @@ class SpecController:
     def _plain(self) -> None:
         self.counts["plain_steps"] += 1
         self._probing = 0
+        self._caught_up = False
 
     # ------------------------------------------------------------------ learning
     def record_step(self, rows: int, seconds: float | None, mode: str) -> None:
@@ -253,6 +287,8 @@ class SpecController:
             "selections": dict(self.selections),
             "widest": self.widest,
             "plain_left": self._plain_left,
+            "stretch": [self._last_batch, self._stretch, self._caught_up],
+            "dwell": [[b, m.state_dict()] for b, m in self._dwell.items()],
             # the cached pricing (plain steps do not refresh it): a resumed run probes alike
             "priced": None if self._prices[0] is None else [*self._prices[0], *self._prices[1:]],
         }
@@ -266,6 +302,11 @@ class SpecController:
             self.bandit.load_state_dict(state["bandit"])
         self.counts.update(state["counts"])
         self.widest, self._plain_left = int(state["widest"]), int(state["plain_left"])
+        last, stretch, caught_up = state["stretch"]
+        self._last_batch, self._stretch, self._caught_up = int(last), int(stretch), bool(caught_up)
+        self._dwell = {int(b): RunningMean() for b, _ in state["dwell"]}
+        for b, mean in state["dwell"]:
+            self._dwell[int(b)].load_state_dict(mean)
         self._rated = self._prices = (None,)
         if state["priced"] is not None:
             b, measured, price, arm = state["priced"]
