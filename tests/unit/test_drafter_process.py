@@ -259,9 +259,9 @@ def test_a_long_plain_stretch_reaches_the_child_intact(name):
         engine = make_engine(model, max_batch_size=3, spec=spec, max_model_len=256)
         plan, launch, steps, drafts = engine.drafting.controller.plan, engine.drafting.plan, [0], []
 
-        def planned(batch_size: int):  # plain for FLUSH_EVERY + 9 steps, then slot 0 drafts
+        def planned(batch_size: int, backlog=None):  # plain for FLUSH_EVERY + 9, then slot 0
             steps[0] += 1
-            arms = plan(batch_size) if steps[0] > FLUSH_EVERY + 9 else None
+            arms = plan(batch_size, backlog) if steps[0] > FLUSH_EVERY + 9 else None
             return arms and [arms[0]] + [None] * (batch_size - 1)
 
         def launched(*args):

@@ -672,7 +672,7 @@ def test_a_speculation_policy_state_in_another_layout_is_a_one_line_error():
     flat = copy.deepcopy(state)  # the estimates beside the policy's own state, not under costs
     flat["controller"] |= flat["controller"].pop("costs")
     stretchless = copy.deepcopy(state)
-    del stretchless["controller"]["dwell"], stretchless["controller"]["stretch"]
+    del stretchless["controller"]["stretches"], stretchless["controller"]["caught_up"]
     for bad in (older, fewer, flat, stretchless):
         with pytest.raises(CheckpointError, match="malformed"):
             engine.load_state_dict(json.loads(json.dumps(bad)))

@@ -171,6 +171,40 @@ def _predict(curves: Iterable[CostCurve], x: float, optimistic: bool) -> float:
     return next((c.predict(x, optimistic) or 0.0 for c in curves if c.observations), 0.0)
 
 
+class Stretches:
+    """How long the batch keeps its size: the decode steps of the current stretch at one batch
+    size, and per size the running mean of its past stretches."""
+
+    def __init__(self) -> None:
+        self.batch, self.steps = 1, 0
+        self.past: dict[int, RunningMean] = {}
+
+    def step(self, b: int) -> None:
+        """One decode step of ``b`` sequences."""
+        if b != self.batch and self.steps:
+            self.past.setdefault(self.batch, RunningMean()).add(self.steps)
+            self.steps = 0
+        self.batch, self.steps = b, self.steps + 1
+
+    def expected(self, b: int) -> float:
+        """Steps a stretch at ``b`` is expected to last: as long as past ones lasted, or as long
+        as the current one has lasted already (a tail that has lasted tends to last)."""
+        past = self.past.get(b)
+        return max(self.steps if b == self.batch else 0, past.value if past is not None else 0.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "current": [self.batch, self.steps],
+            "past": [[b, m.state_dict()] for b, m in self.past.items()],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.batch, self.steps = (int(v) for v in state["current"])
+        self.past = {int(b): RunningMean() for b, _ in state["past"]}
+        for b, mean in state["past"]:
+            self.past[int(b)].load_state_dict(mean)
+
+
 class StepCosts:
     """The price of a decode step for every arm, from what was measured.
 

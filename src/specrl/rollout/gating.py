@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from specrl.config.schema import SpeculationConfig
-from specrl.rollout.bandit import EpsilonGreedy, RunningMean
-from specrl.rollout.estimates import Arm, StepCosts
+from specrl.rollout.bandit import EpsilonGreedy
+from specrl.rollout.estimates import Arm, StepCosts, Stretches
 
 __all__ = ["Arm", "SpecController", "SpeculationGate"]
 
@@ -105,10 +105,8 @@ class SpecController:
         self.costs = StepCosts(config.max_k, proposers, ahead, padded)
         self._spacing = 1.0 / config.probe if config.probe > 0 else math.inf
         self._forced: bool | None = None
-        self._last_batch = 1
         self._plain_left = 0  # plain steps still due (a gate-on probe runs two)
-        self._stretch = 0  # consecutive decode steps at the current batch size
-        self._dwell: dict[int, RunningMean] = {}  # steps a stretch at a batch size lasted
+        self.stretches = Stretches()
         self._caught_up = False  # every sequence drafted in the last step
         self._probing = 0  # sequences drafting in this step if it is a gate-off probe
         self.widest = 0  # most sequences that drafted in one step so far
@@ -133,10 +131,7 @@ class SpecController:
         for a plain step; ``backlog(proposer)``: the positions that proposer has queued for the
         step's sequences (default: as many per sequence as at past probes)."""
         b = batch_size
-        if b != self._last_batch and self._stretch:
-            self._dwell.setdefault(self._last_batch, RunningMean()).add(self._stretch)
-            self._stretch = 0
-        self._last_batch, self._stretch = b, self._stretch + 1
+        self.stretches.step(b)
         if not self.arms or self._forced is False:
             return self._plain()
         if self._table:
@@ -183,15 +178,13 @@ class SpecController:
         """Whether speculating at ``b`` after a plain stretch earns back its first step: the
         drafter first catches up the positions the stretch committed (its backlog), once;
         speculating then saves t_plain(B)·(1 − 1/S) per step for as long as the batch keeps
-        this size — expected: as long as its stretches lasted, or as long as the current one
-        has lasted already (a tail that has lasted tends to last)."""
+        this size (:meth:`Stretches.expected <specrl.rollout.estimates.Stretches.expected>`)."""
         arm = max(rates, key=rates.__getitem__)
         queued = backlog(arm.proposer) if backlog is not None and not arm.ahead else None
         first = self.costs.seconds(arm, b, b, probe=True, backlog=queued)
         switch = first - self.costs.seconds(arm, b, b)
-        past = self._dwell.get(b)
-        steps = max(self._stretch, past.value if past is not None else 0.0)
-        return steps * self.costs.plain(b) * (1 - 1 / speedup) >= switch
+        gain = self.costs.plain(b) * (1 - 1 / speedup)
+        return self.stretches.expected(b) * gain >= switch
 
     def _probe_price(self, b: int) -> tuple[float, Arm | None]:
         """(The next gate-off probe's price in plain steps, the arm of a whole-batch probe or
@@ -267,7 +260,7 @@ class SpecController:
         points = lambda c: [[round(x, 3), t] for x, t in c.points]
         costs = self.costs
         return {
-            "gate_on": self.gate.state(self._last_batch) if self.config.gate else True,
+            "gate_on": self.gate.state(self.stretches.batch) if self.config.gate else True,
             "gate_on_batch_sizes": sorted(b for b, on in self.gate.states.items() if on),
             "gate_switches": self.gate.switches,
             **{k: v for k, v in self.counts.items() if k != "since_probe"},
@@ -287,8 +280,8 @@ class SpecController:
             "selections": dict(self.selections),
             "widest": self.widest,
             "plain_left": self._plain_left,
-            "stretch": [self._last_batch, self._stretch, self._caught_up],
-            "dwell": [[b, m.state_dict()] for b, m in self._dwell.items()],
+            "stretches": self.stretches.state_dict(),
+            "caught_up": self._caught_up,
             # the cached pricing (plain steps do not refresh it): a resumed run probes alike
             "priced": None if self._prices[0] is None else [*self._prices[0], *self._prices[1:]],
         }
@@ -302,11 +295,8 @@ class SpecController:
             self.bandit.load_state_dict(state["bandit"])
         self.counts.update(state["counts"])
         self.widest, self._plain_left = int(state["widest"]), int(state["plain_left"])
-        last, stretch, caught_up = state["stretch"]
-        self._last_batch, self._stretch, self._caught_up = int(last), int(stretch), bool(caught_up)
-        self._dwell = {int(b): RunningMean() for b, _ in state["dwell"]}
-        for b, mean in state["dwell"]:
-            self._dwell[int(b)].load_state_dict(mean)
+        self.stretches.load_state_dict(state["stretches"])
+        self._caught_up = bool(state["caught_up"])
         self._rated = self._prices = (None,)
         if state["priced"] is not None:
             b, measured, price, arm = state["priced"]
