@@ -275,6 +275,21 @@ class StepCosts:
         """S(B) of the best arm (plain priced the other way round: S is never flattered)."""
         return max(rates.values()) * self.plain(b, not optimistic) / b
 
+    def probe_price(self, arms: Sequence[Arm], b: int, bar: float) -> tuple[float, Arm | None]:
+        """A gate-off probe at ``b``: (its price in plain steps — what it costs beyond the plain
+        steps its tokens replace, ≥ 1 —, the arm of a whole-batch probe where an optimistic
+        pricing of it clears ``bar``, else None: a slice of ⌈B/8⌉ sequences)."""
+        hopes = self.rates(arms, b, True)
+        hopeful = max(hopes, key=hopes.__getitem__)
+        if self.speedup(b, hopes, True) > bar:
+            tau = self.accept[hopeful.proposer].estimate(hopeful.k)[0]
+            seconds, saved = self.seconds(hopeful, b, b, probe=True), tau
+        else:
+            hopeful, saved = None, 1.0
+            seconds = max(self.seconds(a, b, -(-b // 8), probe=True) for a in arms)
+        plain = self.plain(b)
+        return max(1.0, seconds / plain - saved) if plain > 0 else 1.0, hopeful
+
     # ------------------------------------------------------------------ measuring
     def record_step(self, rows: int, seconds: float | None, mode: str, step: int) -> None:
         """The target's seconds of decode step ``step`` in ``mode`` over ``rows`` rows (None: no

@@ -79,7 +79,9 @@ class SpecController:
     plain costs nothing against plain, and S priced against one noisy plain step turns the gate
     on where it loses.  Speculating after a plain stretch pays the same catch-up as a probe,
     once: where the gate is on, it starts only if the batch is expected to keep its size long
-    enough to earn that back (a tail batch size that lasts a step or two stays plain).
+    enough to earn that back (a tail batch size that lasts a step or two stays plain).  While
+    off, the steps up to the next probe are plain without pricing: S is priced again when the
+    batch size changes, a speculative step is measured, or the probe is due.
     """
 
     def __init__(
@@ -106,6 +108,9 @@ class SpecController:
         self._spacing = 1.0 / config.probe if config.probe > 0 else math.inf
         self._forced: bool | None = None
         self._plain_left = 0  # plain steps still due (a gate-on probe runs two)
+        # while off at (batch size, costs.measured): the steps until a probe is due are plain
+        self._idle: tuple[int, int] | None = None
+        self._due = 0.0  # ``since_probe`` count at which that probe is due
         self.stretches = Stretches()
         self._caught_up = False  # every sequence drafted in the last step
         self._probing = 0  # sequences drafting in this step if it is a gate-off probe
@@ -142,6 +147,11 @@ class SpecController:
         if self._plain_left:
             self._plain_left -= 1
             return self._plain()
+        idle, self._idle = self._idle, None
+        if idle == (b, self.costs.measured) and self.counts["since_probe"] + 1 < self._due:
+            self.counts["since_probe"] += 1  # off, no probe due, nothing new measured: plain
+            self._idle = idle
+            return self._plain()
         target = self.costs.target
         if not target["plain"].observations:
             return self._plain()  # a plain step first: the baseline
@@ -158,7 +168,10 @@ class SpecController:
             return self._plain()  # the baseline at this size first: free, and S is trusted
         self.counts["since_probe"] += 1
         if not early and self.counts["since_probe"] < self._spacing * price:
-            return self._draft(b, b, self.arms, rates) if on and not wait else self._plain()
+            if on:
+                return self._draft(b, b, self.arms, rates) if not wait else self._plain()
+            self._idle, self._due = (b, self.costs.measured), self._spacing * price
+            return self._plain()
         self.counts["since_probe"] = 0
         if on:  # two plain steps: the first pays the draft's cache footprint, unrecorded
             self.counts["probe_steps"] += 1
@@ -187,25 +200,12 @@ class SpecController:
         return self.stretches.expected(b) * gain >= switch
 
     def _probe_price(self, b: int) -> tuple[float, Arm | None]:
-        """(The next gate-off probe's price in plain steps, the arm of a whole-batch probe or
-        None for a slice), kept until a speculative measurement changes them: while the gate is
-        off a step costs a lookup, not a pricing."""
+        """:meth:`~specrl.rollout.estimates.StepCosts.probe_price` (whole batch where it might
+        turn the gate on), kept until a speculative measurement changes it."""
         if self._prices[0] != (b, self.costs.measured):
-            self._prices = ((b, self.costs.measured), *self._price(b))
+            price = self.costs.probe_price(self.arms, b, 1 + self.gate.hysteresis)
+            self._prices = ((b, self.costs.measured), *price)
         return self._prices[1:]
-
-    def _price(self, b: int) -> tuple[float, Arm | None]:
-        costs = self.costs
-        hopes = costs.rates(self.arms, b, True)
-        hopeful = max(hopes, key=hopes.__getitem__)
-        if costs.speedup(b, hopes, True) > 1 + self.gate.hysteresis:
-            tau = costs.accept[hopeful.proposer].estimate(hopeful.k)[0]
-            seconds, saved = costs.seconds(hopeful, b, b, probe=True), tau
-        else:
-            hopeful, saved = None, 1.0
-            seconds = max(costs.seconds(a, b, -(-b // 8), probe=True) for a in self.arms)
-        plain = costs.plain(b)
-        return max(1.0, seconds / plain - saved) if plain > 0 else 1.0, hopeful
 
     def _probe(self, b: int) -> list[Arm | None]:
         """A slice probe: ⌈B/8⌉ sequences (rotating) draft with the bandit's arm."""
@@ -282,6 +282,7 @@ class SpecController:
             "plain_left": self._plain_left,
             "stretches": self.stretches.state_dict(),
             "caught_up": self._caught_up,
+            "idle": None if self._idle is None else [*self._idle, self._due],
             # the cached pricing (plain steps do not refresh it): a resumed run probes alike
             "priced": None if self._prices[0] is None else [*self._prices[0], *self._prices[1:]],
         }
@@ -297,6 +298,9 @@ class SpecController:
         self.widest, self._plain_left = int(state["widest"]), int(state["plain_left"])
         self.stretches.load_state_dict(state["stretches"])
         self._caught_up = bool(state["caught_up"])
+        idle = state["idle"]
+        self._idle = None if idle is None else (int(idle[0]), int(idle[1]))
+        self._due = 0.0 if idle is None else float(idle[2])
         self._rated = self._prices = (None,)
         if state["priced"] is not None:
             b, measured, price, arm = state["priced"]
