@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specrl.core.attention import CacheView, PackedLayout, attention, dense_attention, kernels
-from specrl.core.attention.kernels import grouped_decode_attention
+from specrl.core.attention.kernels import grouped_decode_attention, verify_attention
 
 LENS = [1, 5, 12, 3, 9]
 
@@ -172,6 +172,69 @@ def test_grouped_decode_attention_equals_sdpa(hq, hkv, masked, additive):
         mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, -math.inf)
     out = grouped_decode_attention(q, k, v, mask, 0.3)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (6, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("mask", ["none", "bool", "additive"])
+def test_verify_attention_equals_sdpa(hq, hkv, mask):
+    """The two-matmul form of a few queries per sequence is SDPA's math, head groups (query
+    head h reads KV head h // (Hq / Hkv)) and mask included."""
+    gen = torch.Generator().manual_seed(hq)
+    b, m, length, d = 3, 4, 11, 8
+    q = torch.randn(b, m, hq, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, length, d, generator=gen, dtype=torch.float64) for _ in "kv")
+    visible = (
+        torch.arange(length) <= torch.tensor([3, 6, 7])[:, None, None] + torch.arange(m)[:, None]
+    )  # [B, M, L]: new token j of sequence b at position prefix_b + j
+    attn_mask = None if mask == "none" else visible[:, None]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=attn_mask, scale=0.3, enable_gqa=hq != hkv
+    ).transpose(1, 2)
+    if mask == "additive":
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype).masked_fill(~attn_mask, -math.inf)
+    torch.testing.assert_close(verify_attention(q, k, v, attn_mask, 0.3), ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("lens", [[3, 1, 5, 1, 1, 2, 1, 4], [3] * 8], ids=["ragged", "uniform"])
+@pytest.mark.parametrize("window", [None, 4])
+def test_cached_verification_rows_take_the_matmul_form_and_equal_the_reference(
+    monkeypatch, lens, window
+):
+    """Verification (a few new tokens per sequence, 8 sequences × 4 heads: the matmul form on
+    CPU) against a slot cache whose prefixes were written by an earlier call equals attention
+    over the whole sequences; decoding (one token each) and a prefill stay on SDPA."""
+    hq, hkv, d, num_slots, max_len = 4, 2, 8, 10, 32
+    taken = []
+    matmuls = kernels.verify_attention
+    monkeypatch.setattr(
+        kernels, "verify_attention", lambda *a: taken.append(a[0].shape[1]) or matmuls(*a)
+    )
+    gen = torch.Generator().manual_seed(3)
+    prefix = [5, 9, 0, 12, 3, 7, 20, 1]
+    full = [p + n for p, n in zip(prefix, lens, strict=True)]
+    mk = lambda t, h: torch.randn(t, h, d, generator=gen, dtype=torch.float64)
+    q, k, v = mk(sum(full), hq), mk(sum(full), hkv), mk(sum(full), hkv)
+    whole = PackedLayout.from_lengths(full)
+    ref = attention(q, k, v, whole, backend="reference", window=window)
+    kc = torch.zeros(num_slots, hkv, max_len, d, dtype=torch.float64)
+    vc = torch.zeros_like(kc)
+    slots = torch.tensor([9, 0, 4, 2, 7, 1, 5, 3])
+    cu = whole.cu_seqlens.tolist()
+    outs = {}
+    for part, (lo, hi) in {
+        "prefix": (lambda i: 0, lambda i: prefix[i]),
+        "new": (lambda i: prefix[i], lambda i: full[i]),
+    }.items():
+        keep = [i for i in range(len(full)) if hi(i) > lo(i)]
+        rows = torch.tensor([r for i in keep for r in range(cu[i] + lo(i), cu[i] + hi(i))])
+        view = CacheView(
+            kc, vc, slots[keep], torch.tensor([lo(i) for i in keep]), max(hi(i) for i in keep)
+        )
+        layout = PackedLayout.from_lengths([hi(i) - lo(i) for i in keep])
+        outs[part] = (rows, attention(q[rows], k[rows], v[rows], layout, cache=view, window=window))
+    assert taken == [max(lens)]  # the new rows only: the prefill (up to 20 rows) took SDPA
+    for rows, out in outs.values():
+        torch.testing.assert_close(out, ref[rows], rtol=0, atol=1e-12)
 
 
 def test_compiled_cached_attention_equals_eager(monkeypatch):

@@ -217,6 +217,52 @@ def grouped_decode_attention(
     return (p[..., None] * v[:, :, None]).sum(-2).reshape(b, hq, d)
 
 
+def verify_in_matmuls(batch: int, heads: int, rows: int, kv_len: int) -> bool:
+    """Whether eager CPU attention of ``rows`` new queries per sequence runs as
+    :func:`verify_attention` rather than SDPA (``benchmarks/studies/verify_attention.py``).
+
+    Above one query per sequence SDPA's CPU flash kernel pays a fixed cost per (sequence, query
+    head) block; the two matmuls pay theirs per call and materialize the scores.  So: 2–5 rows
+    (verifying up to 4 drafts; at 8 the matmuls lost on some toy shapes), enough blocks — or
+    blocks × keys — to outweigh a call, and scores of at most 1 M elements (above, the matmuls
+    lost on some shapes in some runs).
+    """
+    blocks = batch * heads
+    return (
+        1 < rows <= 5
+        and (blocks >= 32 or blocks * kv_len >= 16384)
+        and blocks * rows * kv_len <= 1 << 20
+    )
+
+
+def verify_attention(
+    q: torch.Tensor,  # [B, M, Hq, D]: a few new queries per sequence
+    k: torch.Tensor,  # [B, Hkv, L, D]
+    v: torch.Tensor,  # [B, Hkv, L, D]
+    mask: torch.Tensor | None,  # [B, 1, M, L] bool (True: attend), additive, or None
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of a few queries per sequence against its cached keys; [B, M, Hq, D].
+
+    Same math as ``scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
+    enable_gqa=True).transpose(1, 2)``: the query heads sharing a KV head are stacked with their
+    rows so that scores and the weighted sum are one batched matmul each, and the [B, Hq, M, L]
+    scores are materialized (bounded by :func:`verify_in_matmuls`).
+    """
+    b, m, hq, d = q.shape
+    hkv, kv_len = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qg = q.permute(0, 2, 1, 3).reshape(b, hkv, g * m, d)  # head h = kv head h // g
+    s = torch.matmul(qg, k.transpose(-1, -2)).view(b, hkv, g, m, kv_len)
+    s = s * (d**-0.5 if scale is None else scale)
+    if mask is not None and mask.dtype == torch.bool:
+        s = s.masked_fill(~mask.view(b, 1, 1, m, kv_len), float("-inf"))
+    elif mask is not None:
+        s = s + mask.view(b, 1, 1, m, kv_len)
+    p = torch.softmax(s, dim=-1).view(b, hkv, g * m, kv_len)
+    return torch.matmul(p, v).view(b, hq, m, d).transpose(1, 2)
+
+
 def cached_attention(
     q: torch.Tensor,  # [T, Hq, D] new tokens, packed by sequence
     k: torch.Tensor,  # [T, Hkv, D]
@@ -266,13 +312,11 @@ def cached_attention(
         mask = cache.mask
         if mask is None:
             mask = cache_mask(layout, cache.prefix_lens, kv_len, window)
-    if (
-        m == 1
-        and q.device.type == "cpu"
-        and torch.compiler.is_compiling()
-        and COMPILED_CPU_ATTENTION == "grouped"
-    ):
+    on_cpu, compiling = q.device.type == "cpu", torch.compiler.is_compiling()
+    if m == 1 and on_cpu and compiling and COMPILED_CPU_ATTENTION == "grouped":
         out = grouped_decode_attention(qp.view(b, hq, d), kp, vp, mask, scale).view(b, 1, hq, d)
+    elif on_cpu and not compiling and verify_in_matmuls(b, hq, m, kv_len):
+        out = verify_attention(qp, kp, vp, mask, scale)
     else:
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2), kp, vp, attn_mask=mask, scale=scale, enable_gqa=hq != hkv

@@ -51,6 +51,7 @@ draft weights arrive through ``load_weights`` (engine ``update_weights(draft=…
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -119,6 +120,46 @@ class _Pending:
         self._chunks = [(rows, a + n, b)] if a + n < b else []
 
 
+class _TapLog:
+    """The committed taps of the target's forwards, one entry per forward: its
+    :class:`_StepTaps`, each sequence's index in the batch (seq_id → i) and the row bounds
+    (sequence i has rows ``bounds[i]`` to ``bounds[i + 1]``).  A sequence's :class:`_Pending`
+    takes its rows from the entries it has not seen only when its queue is read, so a forward
+    costs one entry (no object per sequence for the collector to track) while drafting is off.
+    Entries every live sequence has seen are dropped (:meth:`trim`)."""
+
+    __slots__ = ("base", "entries")
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[_StepTaps, dict[int, int], list[int]]] = []
+        self.base = 0  # the forward number of entries[0]
+
+    @property
+    def end(self) -> int:
+        """The forward number the next entry gets."""
+        return self.base + len(self.entries)
+
+    def append(self, taps: _StepTaps, seq_ids: list[int], committed: list[int]) -> None:
+        index = dict(zip(seq_ids, range(len(seq_ids)), strict=True))
+        self.entries.append((taps, index, [0, *itertools.accumulate(committed)]))
+
+    def take(self, seq_id: int, seen: int, pending: _Pending) -> int:
+        """Queue on ``pending`` the sequence's rows of the entries from forward ``seen`` on;
+        returns the forward number it has seen up to now."""
+        for taps, index, bounds in self.entries[max(seen - self.base, 0) :]:
+            i = index.get(seq_id)
+            if i is not None and bounds[i + 1] > bounds[i]:
+                pending.add(taps, bounds[i], bounds[i + 1])
+        return self.end
+
+    def trim(self, oldest: int) -> None:
+        """Drop the entries before forward ``oldest`` (every live sequence has seen them)."""
+        oldest = min(oldest, self.end)
+        if oldest > self.base:
+            del self.entries[: oldest - self.base]
+            self.base = oldest
+
+
 class _ChainEnd(NamedTuple):
     """Where a sequence's last chain ends: drafting ahead continues it from here."""
 
@@ -145,7 +186,8 @@ class _SeqDraft:
 
     h_last: torch.Tensor | None = None  # [H] pre-norm output at the last committed position
     main_len: int = 0  # draft cache rows holding step-0 entries
-    pending: _Pending = field(default_factory=_Pending)  # committed positions to catch up
+    pending: _Pending = field(default_factory=_Pending)  # committed positions to catch up …
+    seen: int = 0  # … taken from the tap log's forwards before this one
     drafted: int = 0  # tokens of its sampled draft awaiting verification, drawn …
     scale: float = 1.0  # … with this temperature scale
     chain_end: _ChainEnd | None = None
@@ -410,6 +452,8 @@ class Eagle3Proposer(ProposerBase):
         self.vocab = ctx.target.config.vocab_size
         self.device = ctx.target.device
         self._state: dict[int, _SeqDraft] = {}
+        self._log = _TapLog()
+        self._awaiting: dict[int, _SeqDraft] = {}  # sampled drafts awaiting verification
         self.temperature_scale = TemperatureScale(temperature_scale, seed=ctx.seed)
         self.passes = DraftPasses(draft, self.vocab)
         self._ones = _OneTokenLayouts(self.device)
@@ -441,10 +485,13 @@ class Eagle3Proposer(ProposerBase):
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self, seq: SeqState) -> None:
-        self._state[seq.seq_id] = _SeqDraft()
+        self._state[seq.seq_id] = _SeqDraft(seen=self._log.end)
 
     def release(self, seq: SeqState) -> None:
         self._state.pop(seq.seq_id, None)
+        self._awaiting.pop(seq.seq_id, None)
+        if not self._state:
+            self._log.trim(self._log.end)
 
     def move(self, moves: list[tuple[SeqState, int]]) -> None:
         """The engine moves sequences to other slots: copy their draft-cache rows (the main
@@ -484,18 +531,20 @@ class Eagle3Proposer(ProposerBase):
         """
         if taps is None:
             raise RuntimeError("eagle3 proposer needs taps; the engine did not provide them")
-        feats = _StepTaps(taps, self.tap_layers)  # [Σ committed, 3·H_target] when first read
-        start, state, scale = 0, self._state, self.temperature_scale
-        for seq, c, n_acc in zip(batch, committed, accepted, strict=True):
-            st = state.get(seq.seq_id)
-            if st is not None and st.drafted:  # its sampled draft was just verified
-                scale.record(st.scale, n_acc, st.drafted)
-                st.drafted = 0
-            if c > 0 and seq.finish_reason is None:
-                if st is None:
-                    st = state[seq.seq_id] = _SeqDraft()
-                st.pending.add(feats, start, start + c)  # sliced when caught up
-            start += c
+        ids = [s.seq_id for s in batch]
+        self._log.append(_StepTaps(taps, self.tap_layers), ids, committed)  # [Σ, 3·H_target]
+        if self._awaiting:  # sampled drafts just verified: value their temperature scale
+            for seq_id, n_acc in zip(ids, accepted, strict=True):
+                st = self._awaiting.pop(seq_id, None)
+                if st is not None:
+                    self.temperature_scale.record(st.scale, n_acc, st.drafted)
+                    st.drafted = 0
+
+    def _pending(self, seq: SeqState) -> _Pending:
+        """The sequence's queued positions, with those of forwards since it last looked."""
+        st = self._state[seq.seq_id]
+        st.seen = self._log.take(seq.seq_id, st.seen, st.pending)
+        return st.pending
 
     def backlog(self, batch: list[SeqState]) -> int:
         """Positions queued for ``batch``: those its draft cache lacks, the step-0 passes the
@@ -508,7 +557,7 @@ class Eagle3Proposer(ProposerBase):
         each sequence's last ``keep`` (left queued for the compiled round's first pass)."""
         todo, feats, ids, lens, prefix = [], [], [], [], []
         for s in seqs:
-            pending = self._state[s.seq_id].pending
+            pending = self._pending(s)
             if not pending:
                 continue
             rows = pending.rows()
@@ -522,6 +571,7 @@ class Eagle3Proposer(ProposerBase):
             ids.extend(s.tokens[first + 1 : first + n + 1])  # x_{t+1} for each position t
             lens.append(n)
             prefix.append(first)
+        self._log.trim(min(st.seen for st in self._state.values()))
         if not todo:
             return
         cu = [0]
@@ -562,7 +612,7 @@ class Eagle3Proposer(ProposerBase):
         compiled = (
             self._compiled is not None
             and bool(live)
-            and all(s.seq_id in state and state[s.seq_id].pending for s in batch)
+            and all(s.seq_id in state and self._pending(s) for s in batch)
         )
         if compiled:  # every sequence, in slot order; older positions are caught up eagerly
             self._catch_up(batch, keep=self.max_k + 1)
@@ -635,7 +685,7 @@ class Eagle3Proposer(ProposerBase):
             return h, *self.passes.draw(logits, *rnd.sampling(0, n), *rnd.flags(n))
         tails = []
         for s in rnd.seqs:
-            pending = self._state[s.seq_id].pending
+            pending = self._pending(s)
             tails.append(pending.rows())
             pending.drop(tails[-1].shape[0])
         block = _newest_block(rnd, tails, self.cache)
@@ -687,7 +737,7 @@ class Eagle3Proposer(ProposerBase):
         noted = False
         for s, d in zip(batch, drafts, strict=True):
             if d.tokens and s.params.temperature > 0:
-                st = self._state[s.seq_id]
+                st = self._awaiting[s.seq_id] = self._state[s.seq_id]
                 st.drafted, st.scale, noted = len(d.tokens), scale, True
         if noted and self.temperature_scale.fixed is None:
             self.temperature_scale.drafted(scale)

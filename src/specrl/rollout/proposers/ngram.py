@@ -14,8 +14,9 @@ For 2 and 3 the occurrence nearest to the sequence's own position is preferred (
 one prompt tend to stay aligned).  Drafts are one-hot (``probs=None``): a wrong guess costs one
 verified position, never changes the output.
 
-Index: per token list, the end positions of every ``min_n``-gram; a candidate's match length is
-extended backwards up to ``max_n`` by direct comparison, so memory is one entry per token.
+Index: per token list, the end positions of every ``min_n``-gram (:class:`_TokenIndex`, ints
+only); a candidate's match length is extended backwards up to ``max_n`` by direct comparison,
+so memory is one entry per token.
 """
 
 from __future__ import annotations
@@ -37,21 +38,47 @@ from specrl.rollout.proposers import (
 
 
 class _TokenIndex:
-    """End positions of each ``min_n``-gram of a token list, extended incrementally."""
+    """End positions of each ``min_n``-gram of a token list, extended incrementally.
+
+    Only ints, no object per n-gram (a rollout indexes every sequence it drafts for, and the
+    history keeps them: tuples and lists would all be tracked by the garbage collector): an
+    n-gram is keyed by its tokens packed into one int, ``last`` maps it to its latest end and
+    ``prev[end − (n − 1)]`` chains each end to the previous one of the same n-gram (−1: none).
+    """
+
+    __slots__ = ("indexed", "last", "min_n", "prev", "tokens")
 
     def __init__(self, tokens: list[int], min_n: int) -> None:
         self.tokens = tokens  # the sequence's own token list (final once it finished)
         self.min_n = min_n
-        self.ends: dict[tuple[int, ...], list[int]] = {}
+        self.last: dict[int, int] = {}
+        self.prev: list[int] = []
         self.indexed = 0  # n-grams ending before this position are indexed
 
     def update(self) -> None:
         """Index n-grams that have at least one following token (end ≤ len − 2)."""
-        toks, n = self.tokens, self.min_n
-        stop = len(toks) - 1
-        for end in range(max(self.indexed, n - 1), stop):
-            self.ends.setdefault(tuple(toks[end - n + 1 : end + 1]), []).append(end)
-        self.indexed = max(self.indexed, stop)
+        toks, n, last, prev = self.tokens, self.min_n, self.last, self.prev
+        for end in range(max(self.indexed, n - 1), len(toks) - 1):
+            key = _key(toks, end, n)
+            prev.append(last.get(key, -1))
+            last[key] = end
+        self.indexed = max(self.indexed, len(toks) - 1)
+
+    def ends(self, key: int, most: int) -> list[int]:
+        """The latest ``most`` ends of the n-gram ``key``, oldest first."""
+        out, end, first = [], self.last.get(key, -1), self.min_n - 1
+        while end >= 0 and len(out) < most:
+            out.append(end)
+            end = self.prev[end - first]
+        return out[::-1]
+
+
+def _key(tokens: list[int], end: int, n: int) -> int:
+    """The n tokens ending at ``end`` packed into one int (token ids are below 2³²)."""
+    key = 0
+    for t in tokens[end - n + 1 : end + 1]:
+        key = key << 32 | t
+    return key
 
 
 def _match_length(a: list[int], a_end: int, b: list[int], max_n: int) -> int:
@@ -163,15 +190,12 @@ class NgramProposer(ProposerBase):
         toks = seq.tokens
         if k <= 0 or len(toks) < self.min_n:
             return []
-        key = tuple(toks[-self.min_n :])
         here = len(toks) - 1
+        key = _key(toks, here, self.min_n)
         best: tuple[int, int, _TokenIndex, int] | None = None  # (length, −distance, src, end)
         for rank, src in enumerate(self._sources(seq)):
             src.update()
-            ends = src.ends.get(key)
-            if not ends:
-                continue
-            for end in ends[-self.max_candidates :]:
+            for end in src.ends(key, self.max_candidates):
                 m = _match_length(src.tokens, end, toks, self.max_n)
                 # own context (rank 0): prefer the most recent; others: the aligned occurrence
                 closeness = end if rank == 0 else -abs(end - here)
