@@ -571,7 +571,7 @@ class Eagle3Proposer(ProposerBase):
             ids.extend(s.tokens[first + 1 : first + n + 1])  # x_{t+1} for each position t
             lens.append(n)
             prefix.append(first)
-        self._log.trim(min(st.seen for st in self._state.values()))
+        self._log.trim(min((st.seen for st in self._state.values()), default=self._log.end))
         if not todo:
             return
         cu = [0]
