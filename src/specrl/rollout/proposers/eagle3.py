@@ -538,7 +538,6 @@ class Eagle3Proposer(ProposerBase):
                 st = self._awaiting.pop(seq_id, None)
                 if st is not None:
                     self.temperature_scale.record(st.scale, n_acc, st.drafted)
-                    st.drafted = 0
 
     def _pending(self, seq: SeqState) -> _Pending:
         """The sequence's queued positions, with those of forwards since it last looked."""
