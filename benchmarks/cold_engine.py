@@ -4,15 +4,21 @@ Issue 29's check.  The toy pair (``toy-small`` target, its EAGLE-3 draft), 64 gr
 prompts, at most 64 tokens each, batch sizes 1 / 8 / 64.  Every measured run builds **fresh**
 engines — plain, best-of-N (``eagle3`` + ``ngram``, the recipe's default ``max_k``, the learned
 gate), and a second plain one whose ratio to the first is the noise floor of the run — gives each
-one short warm-up call (2 other prompts, 8 tokens), then times the 64 prompts, sent in calls of
-``--chunk`` prompts (default: the batch size, at least 8) that the three engines make in turn,
-in an order that changes per call (``harness.ordered``): this machine's speed drifts by tens
-of percent over a second, more than the margin at stake, and taking turns per call puts every
-slow stretch on all three alike.
-Ratios are medians of per-repeat ratios.
+one short warm-up call (2 other prompts, 8 tokens), then runs the 64 prompts in batches of
+``--chunk`` prompts (default: the batch size, at least 8), each batch run to completion by every
+engine before the next.  This machine's speed drifts by tens of percent within a second, more
+than the margin at stake, so the engines take turns, in an order that changes per turn
+(``harness.ordered``), and each turn is timed on its own:
 
-The gate starts off on a fresh engine and speculates only once its own measurements say it pays
-(:mod:`specrl.rollout.gating`), so the target is best-of-N ≥ 0.95× plain at every batch size.
+- ``--interleave step`` (default): a turn is one engine step (``RolloutEngine.step``, what
+  ``generate`` loops over), so a slow stretch of the machine falls on all three engines within
+  a few milliseconds;
+- ``--interleave call``: a turn is one ``generate`` call per batch of prompts (per-repeat
+  ratios spread about 5× wider: a call at batch 64 lasts a quarter of a second).
+
+Ratios are medians of per-repeat ratios.  The gate starts off on a fresh engine and speculates
+only once its own measurements say it pays (:mod:`specrl.rollout.gating`), so the target is
+best-of-N ≥ 0.95× plain at every batch size.
 
     python benchmarks/cold_engine.py --target runs/toy/target --draft runs/toy/draft
     python benchmarks/cold_engine.py --threads 2 --clock wall   # the issue's setting
@@ -23,6 +29,7 @@ Writes ``benchmarks/results/cold_engine.json``.
 from __future__ import annotations
 
 import random
+from functools import partial
 from pathlib import Path
 
 from specrl.models.checkpoint import load_model
@@ -45,11 +52,12 @@ def prompts(codec: TextCodec, count: int, seed: int) -> list[list[int]]:
 
 
 def fresh_engines_interleaved(
-    model, codec, spec, batch, rep, clock, warm, work, chunk, max_tokens
+    model, codec, spec, batch, rep, clock, warm, work, chunk, max_tokens, by_step
 ) -> dict[str, dict]:
     """One repeat: a fresh engine per variant, each warmed by one short call, then the prompts
-    in calls of ``chunk``, every call made by each engine in turn (the order changing per call), so
-    that the machine's slow and fast stretches fall on all variants alike."""
+    in batches of ``chunk``, every batch run by each engine in turns of one step (``by_step``)
+    or one call, the order changing per turn, so that the machine's slow and fast stretches
+    fall on all variants alike."""
 
     def fresh(name: str) -> RolloutEngine:
         best_of_n = spec if name == "best-of-N" else None
@@ -61,13 +69,30 @@ def fresh_engines_interleaved(
     for engine in engines.values():
         engine.generate(warm)  # one short warm-up call, as a user's first request
     seconds, tokens = dict.fromkeys(VARIANTS, 0.0), {name: [] for name in VARIANTS}
-    calls = [work[i : i + chunk] for i in range(0, len(work), chunk)]
-    for i, call in enumerate(calls):
-        for name in harness.ordered(VARIANTS, rep * len(calls) + i):
-            reqs = [Request(p, SamplingParams(max_tokens, 0.0)) for p in call]
-            spent, out = harness.timed(clock, lambda e=engines[name], r=reqs: e.generate(r))
-            seconds[name] += spent
-            tokens[name] += [r.tokens for r in out]
+    turn = rep * 1_000_003  # where this repeat starts in the turn order
+    for i in range(0, len(work), chunk):
+        prompts = work[i : i + chunk]
+        reqs = {
+            name: [Request(p, SamplingParams(max_tokens, 0.0)) for p in prompts]
+            for name in VARIANTS
+        }
+        if not by_step:
+            for name in harness.ordered(VARIANTS, turn):
+                spent, out = harness.timed(clock, partial(engines[name].generate, reqs[name]))
+                seconds[name] += spent
+                tokens[name] += [r.tokens for r in out]
+            turn += 1
+            continue
+        done: dict[str, dict[str, list[int]]] = {name: {} for name in VARIANTS}
+        ids = {name: e.add_requests(reqs[name]) for name, e in engines.items()}
+        while busy := [name for name in VARIANTS if engines[name].has_unfinished()]:
+            for name in harness.ordered(busy, turn):
+                spent, finished = harness.timed(clock, engines[name].step)
+                seconds[name] += spent
+                done[name].update((r.request_id, r.tokens) for r in finished)
+            turn += 1
+        for name in VARIANTS:
+            tokens[name] += [done[name][rid] for rid in ids[name]]
     out = {}
     for name, engine in engines.items():
         steps = engine.stats()["gating"]
@@ -88,7 +113,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument(
-        "--chunk", type=int, default=0, help="prompts per call (default: the batch, ≥ 8)"
+        "--chunk", type=int, default=0, help="prompts per batch (default: the batch size, ≥ 8)"
+    )
+    ap.add_argument(
+        "--interleave",
+        choices=("step", "call"),
+        default="step",
+        help="the engines take turns by step (default) or by generate call",
     )
     args = ap.parse_args()
     clock = harness.configure(ap, args)
@@ -110,7 +141,17 @@ def main() -> None:
         runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
         for rep in range(repeats):
             for name, record in fresh_engines_interleaved(
-                model, codec, spec, batch, rep, clock, warm, work, chunk, args.max_tokens
+                model,
+                codec,
+                spec,
+                batch,
+                rep,
+                clock,
+                warm,
+                work,
+                chunk,
+                args.max_tokens,
+                args.interleave == "step",
             ).items():
                 runs[name].append(record)
         plain = [r["tok_s"] for r in runs["plain"]]
@@ -133,7 +174,12 @@ def main() -> None:
                     ),
                 }
             )
-    payload = {"rows": rows, "prompts": args.prompts, "max_tokens": args.max_tokens}
+    payload = {
+        "rows": rows,
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
+        "interleave": args.interleave,
+    }
     harness.report(args, [("cold engine: best-of-N vs plain", rows, COLUMNS)], payload)
 
 

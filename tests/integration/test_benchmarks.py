@@ -57,3 +57,22 @@ def test_rollout_benchmark_decoupled_variant(tiny_pair, tmp_path):
     }
     names = {t["target"] for t in body["targets"]}
     assert {"decoupled / serial best-of-N at B=1", "decoupled best-of-N / plain at B=8"} <= names
+
+
+@pytest.mark.parametrize("interleave", ["step", "call"])
+def test_cold_engine_benchmark_runs_fresh_engines_in_turns(tiny_pair, tmp_path, interleave):
+    target, draft = tiny_pair
+    out = tmp_path / "cold.json"
+    cmd = [sys.executable, "benchmarks/cold_engine.py", "--target", str(target)]
+    cmd += ["--draft", str(draft), "--quick", "--prompts", "12", "--max-tokens", "8"]
+    cmd += ["--interleave", interleave, "--clock", "wall", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    body = json.loads(out.read_text())
+    assert body["interleave"] == interleave
+    rows = {(r["batch"], r["variant"]): r for r in body["rows"]}
+    assert set(rows) == {(b, v) for b in (1, 8) for v in ("plain", "best-of-N", "plain again")}
+    for row in rows.values():  # greedy: every engine emits the plain engine's tokens
+        assert row["exact"] and row["tok_s"] > 0
+    assert all(rows[b, "plain"]["vs_plain"] == 1 for b in (1, 8))

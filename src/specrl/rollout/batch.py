@@ -324,12 +324,13 @@ def committed_taps(
     if not tap_layers:
         return None
     taps = launch.out["taps"]
-    if not launch.prefill and sum(committed) == next(iter(taps.values())).shape[0]:
-        return taps  # each sequence kept every row it fed (a plain step): no gather
+    fed_rows = next(iter(taps.values())).shape[0]
+    if len(launch.fed) == len(launch.seqs) and sum(committed) == fed_rows:
+        # each sequence fed its own rows and, as none commits more than it fed, kept every one
+        # (a plain step; a prefill without shared prompts): no gather
+        return taps
     starts = [launch.input_starts[f] for f in launch.feeder]
     rows = [r for start, n in zip(starts, committed, strict=True) for r in range(start, start + n)]
-    if rows == list(range(next(iter(taps.values())).shape[0])):
-        return taps  # every fed row kept, in order: no gather
     index = torch.tensor(rows, dtype=torch.int64, device=next(iter(taps.values())).device)
     return {layer: h.index_select(0, index) for layer, h in taps.items()}
 

@@ -110,6 +110,7 @@ class CostCurve:
         self.rate = rate
         self._buckets: dict[int, list[float]] = {}  # bucket → [count, x̄, t̄, last step]
         self._points: list[tuple[float, float]] | None = None  # cache of :attr:`points`
+        self._xs: list[float] = []  # their sizes
         self.observations = 0
 
     @staticmethod
@@ -139,7 +140,7 @@ class CostCurve:
             pts = [(b[1], b[2]) for _, b in sorted(self._buckets.items())]
             for i in range(len(pts) - 2, -1, -1):
                 pts[i] = (pts[i][0], min(pts[i][1], pts[i + 1][1]))
-            self._points = pts
+            self._points, self._xs = pts, [x for x, _ in pts]
         return self._points
 
     def predict(self, x: float, optimistic: bool = False) -> float | None:
@@ -147,7 +148,7 @@ class CostCurve:
         pts = self.points
         if not pts:
             return None
-        i = bisect.bisect_left(pts, (x, -math.inf))
+        i = bisect.bisect_left(self._xs, x)
         if 0 < i < len(pts):
             (x0, t0), (x1, t1) = pts[i - 1], pts[i]
             return t0 + (t1 - t0) * (x - x0) / (x1 - x0)
@@ -168,7 +169,10 @@ class CostCurve:
 
 def _predict(curves: Iterable[CostCurve], x: float, optimistic: bool) -> float:
     """The first measured curve's t(x); 0 if none is measured."""
-    return next((c.predict(x, optimistic) or 0.0 for c in curves if c.observations), 0.0)
+    for c in curves:
+        if c.observations:
+            return c.predict(x, optimistic) or 0.0
+    return 0.0
 
 
 class Stretches:

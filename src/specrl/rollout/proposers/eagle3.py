@@ -76,20 +76,39 @@ from specrl.rollout.weights import apply_update, check_vocab_map, plan_update
 
 
 class _StepTaps:
-    """One target forward's committed taps, concatenated ([T, 3·H_target]) only when a
-    catch-up first reads them: while the gate keeps drafting off, most never are."""
+    """One target forward's committed taps and whose rows they are.  Built lazily, when a
+    catch-up first reads them (while the gate keeps drafting off, most never are): the taps
+    concatenated ([T, 3·H_target]) and the sequences' row bounds (sequence i of the forward's
+    batch has rows ``bounds[i]`` to ``bounds[i + 1]``)."""
 
-    __slots__ = ("_feats", "_layers", "_taps")
+    __slots__ = ("_bounds", "_committed", "_feats", "_index", "_layers", "_seqs", "_taps")
 
-    def __init__(self, taps: dict[int, torch.Tensor], layers: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        taps: dict[int, torch.Tensor],
+        layers: tuple[int, ...],
+        seqs: list[SeqState],
+        committed: list[int],
+    ) -> None:
         self._taps, self._layers = taps, layers
         self._feats: torch.Tensor | None = None
+        self._seqs, self._committed = list(seqs), list(committed)
+        self._index: dict[int, int] | None = None
+        self._bounds: list[int] = []
 
     def __getitem__(self, rows: slice) -> torch.Tensor:
         if self._feats is None:
             self._feats = Eagle3Draft.concat_taps(self._taps, self._layers)
             self._taps = {}
         return self._feats[rows]
+
+    def bounds(self, seq_id: int) -> tuple[int, int]:
+        """The rows of sequence ``seq_id`` (an empty range if it was not in the forward)."""
+        if self._index is None:
+            self._index = {s.seq_id: i for i, s in enumerate(self._seqs)}
+            self._bounds = [0, *itertools.accumulate(self._committed)]
+        i = self._index.get(seq_id)
+        return (0, 0) if i is None else (self._bounds[i], self._bounds[i + 1])
 
 
 class _Pending:
@@ -121,17 +140,16 @@ class _Pending:
 
 
 class _TapLog:
-    """The committed taps of the target's forwards, one entry per forward: its
-    :class:`_StepTaps`, each sequence's index in the batch (seq_id → i) and the row bounds
-    (sequence i has rows ``bounds[i]`` to ``bounds[i + 1]``).  A sequence's :class:`_Pending`
-    takes its rows from the entries it has not seen only when its queue is read, so a forward
-    costs one entry (no object per sequence for the collector to track) while drafting is off.
-    Entries every live sequence has seen are dropped (:meth:`trim`)."""
+    """The committed taps of the target's forwards, one :class:`_StepTaps` per forward.  A
+    sequence's :class:`_Pending` takes its rows from the forwards it has not seen only when
+    its queue is read, so a forward costs one entry (no object per sequence for the collector
+    to track) while drafting is off.  Entries every live sequence has seen are dropped
+    (:meth:`trim`)."""
 
     __slots__ = ("base", "entries")
 
     def __init__(self) -> None:
-        self.entries: list[tuple[_StepTaps, dict[int, int], list[int]]] = []
+        self.entries: list[_StepTaps] = []
         self.base = 0  # the forward number of entries[0]
 
     @property
@@ -139,17 +157,13 @@ class _TapLog:
         """The forward number the next entry gets."""
         return self.base + len(self.entries)
 
-    def append(self, taps: _StepTaps, seq_ids: list[int], committed: list[int]) -> None:
-        index = dict(zip(seq_ids, range(len(seq_ids)), strict=True))
-        self.entries.append((taps, index, [0, *itertools.accumulate(committed)]))
-
     def take(self, seq_id: int, seen: int, pending: _Pending) -> int:
         """Queue on ``pending`` the sequence's rows of the entries from forward ``seen`` on;
         returns the forward number it has seen up to now."""
-        for taps, index, bounds in self.entries[max(seen - self.base, 0) :]:
-            i = index.get(seq_id)
-            if i is not None and bounds[i + 1] > bounds[i]:
-                pending.add(taps, bounds[i], bounds[i + 1])
+        for taps in self.entries[max(seen - self.base, 0) :]:
+            start, end = taps.bounds(seq_id)
+            if end > start:
+                pending.add(taps, start, end)
         return self.end
 
     def trim(self, oldest: int) -> None:
@@ -531,11 +545,10 @@ class Eagle3Proposer(ProposerBase):
         """
         if taps is None:
             raise RuntimeError("eagle3 proposer needs taps; the engine did not provide them")
-        ids = [s.seq_id for s in batch]
-        self._log.append(_StepTaps(taps, self.tap_layers), ids, committed)  # [Σ, 3·H_target]
+        self._log.entries.append(_StepTaps(taps, self.tap_layers, batch, committed))
         if self._awaiting:  # sampled drafts just verified: value their temperature scale
-            for seq_id, n_acc in zip(ids, accepted, strict=True):
-                st = self._awaiting.pop(seq_id, None)
+            for seq, n_acc in zip(batch, accepted, strict=True):
+                st = self._awaiting.pop(seq.seq_id, None)
                 if st is not None:
                     self.temperature_scale.record(st.scale, n_acc, st.drafted)
 

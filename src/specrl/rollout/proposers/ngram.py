@@ -57,12 +57,14 @@ class _TokenIndex:
 
     def update(self) -> None:
         """Index n-grams that have at least one following token (end ≤ len − 2)."""
-        toks, n, last, prev = self.tokens, self.min_n, self.last, self.prev
-        for end in range(max(self.indexed, n - 1), len(toks) - 1):
-            key = _key(toks, end, n)
-            prev.append(last.get(key, -1))
-            last[key] = end
-        self.indexed = max(self.indexed, len(toks) - 1)
+        toks, last, prev = self.tokens, self.last, self.prev
+        start, stop = max(self.indexed, self.min_n - 1), len(toks) - 1
+        if start < stop:
+            get = last.get
+            for end, key in enumerate(_keys(toks, start, stop, self.min_n), start):
+                prev.append(get(key, -1))
+                last[key] = end
+            self.indexed = stop
 
     def ends(self, key: int, most: int) -> list[int]:
         """The latest ``most`` ends of the n-gram ``key``, oldest first."""
@@ -73,12 +75,16 @@ class _TokenIndex:
         return out[::-1]
 
 
-def _key(tokens: list[int], end: int, n: int) -> int:
-    """The n tokens ending at ``end`` packed into one int (token ids are below 2³²)."""
-    key = 0
-    for t in tokens[end - n + 1 : end + 1]:
-        key = key << 32 | t
-    return key
+def _keys(tokens: list[int], start: int, stop: int, n: int) -> list[int]:
+    """The n-grams ending at ``start`` … ``stop − 1``, each packed into one int (token ids
+    are below 2³²): one pass over shifted slices per token of the n-gram."""
+    first = start - n + 1
+    keys = tokens[first : stop - n + 1]
+    for j in range(1, n):
+        keys = [
+            k << 32 | t for k, t in zip(keys, tokens[first + j : stop - n + 1 + j], strict=True)
+        ]
+    return keys
 
 
 def _match_length(a: list[int], a_end: int, b: list[int], max_n: int) -> int:
@@ -191,7 +197,7 @@ class NgramProposer(ProposerBase):
         if k <= 0 or len(toks) < self.min_n:
             return []
         here = len(toks) - 1
-        key = _key(toks, here, self.min_n)
+        key = _keys(toks, here, here + 1, self.min_n)[0]
         best: tuple[int, int, _TokenIndex, int] | None = None  # (length, −distance, src, end)
         for rank, src in enumerate(self._sources(seq)):
             src.update()
