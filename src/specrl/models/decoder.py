@@ -419,7 +419,7 @@ class Transformer(nn.Module):
             else:
                 h = infer_layer(plan[i], h, cos, sin, layout, view, backend)
             if i in want:
-                tapped[i] = h.detach()
+                tapped[i] = h.detach() if h.requires_grad else h
         missing = want - set(tapped)
         if missing:
             raise ValueError(f"tap layers {sorted(missing)} are not in this model/stage")
