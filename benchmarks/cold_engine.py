@@ -69,7 +69,7 @@ def fresh_engines_interleaved(
     for engine in engines.values():
         engine.generate(warm)  # one short warm-up call, as a user's first request
     seconds, tokens = dict.fromkeys(VARIANTS, 0.0), {name: [] for name in VARIANTS}
-    turn = rep * 1_000_003  # where this repeat starts in the turn order
+    turn = rep  # each repeat starts one place further in the turn order
     for i in range(0, len(work), chunk):
         prompts = work[i : i + chunk]
         reqs = {

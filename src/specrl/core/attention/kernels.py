@@ -314,7 +314,7 @@ def cached_attention(
             mask = cache_mask(layout, cache.prefix_lens, kv_len, window)
     on_cpu = q.device.type == "cpu"
     compiling = on_cpu and torch.compiler.is_compiling()
-    if m == 1 and on_cpu and compiling and COMPILED_CPU_ATTENTION == "grouped":
+    if m == 1 and compiling and COMPILED_CPU_ATTENTION == "grouped":
         out = grouped_decode_attention(qp.view(b, hq, d), kp, vp, mask, scale).view(b, 1, hq, d)
     elif on_cpu and not compiling and verify_in_matmuls(b, hq, m, kv_len):
         out = verify_attention(qp, kp, vp, mask, scale)
